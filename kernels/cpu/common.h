@@ -1,0 +1,157 @@
+// Shared pieces of the CPU FFI handlers: element conversion, group layout, a deadlock-free
+// parallel_for on XLA's intra-op thread pool, and batch-dimension helpers.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace turbo_moe {
+
+namespace ffi = xla::ffi;
+
+// ---- element conversion (kernels compute in float32) ------------------------------------------
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float f16_to_f32(uint16_t h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+}
+inline uint16_t f32_to_f16(float f) {
+  _Float16 v = static_cast<_Float16>(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+
+enum class Dtype { kF32, kBF16, kF16 };
+
+inline bool to_dtype(ffi::DataType t, Dtype* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = Dtype::kF32; return true;
+    case ffi::DataType::BF16: *out = Dtype::kBF16; return true;
+    case ffi::DataType::F16: *out = Dtype::kF16; return true;
+    default: return false;
+  }
+}
+
+// Converts n contiguous elements of `src` (of dtype `dt`) to float32.
+inline void load_f32(Dtype dt, const void* src, int64_t n, float* dst) {
+  if (dt == Dtype::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (dt == Dtype::kBF16) {
+    auto* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+  } else {
+    auto* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+  }
+}
+inline float load_one(Dtype dt, const void* src, int64_t i) {
+  if (dt == Dtype::kF32) return static_cast<const float*>(src)[i];
+  uint16_t h = static_cast<const uint16_t*>(src)[i];
+  return dt == Dtype::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+// Converts n float32 values to dtype `dt` into `dst` (dst points at element 0 of the row).
+inline void store_f32(Dtype dt, const float* src, int64_t n, void* dst) {
+  if (dt == Dtype::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (dt == Dtype::kBF16) {
+    auto* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+  } else {
+    auto* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
+  }
+}
+inline int64_t byte_width(Dtype dt) { return dt == Dtype::kF32 ? 4 : 2; }
+
+// ---- group layout ------------------------------------------------------------------------------
+// Group sizes are runtime data: negative sizes count as 0 and the cumulative layout is clamped
+// to `rows`, so a bad size can never make a kernel write out of bounds. starts has G+1 entries;
+// group g owns rows [starts[g], starts[g+1]); rows past starts[G] belong to no group.
+inline std::vector<int64_t> group_starts(const int32_t* sizes, int64_t num_groups, int64_t rows) {
+  std::vector<int64_t> starts(num_groups + 1, 0);
+  int64_t acc = 0;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    starts[g] = acc;
+    acc = std::min(rows, acc + std::max<int64_t>(0, sizes[g]));
+  }
+  starts[num_groups] = acc;
+  return starts;
+}
+
+// ---- parallel_for on XLA's intra-op pool -------------------------------------------------------
+// The caller works too and only waits for helpers that actually started, so the loop finishes
+// even when every pool thread is busy elsewhere (no deadlock when called from a pool thread).
+inline void parallel_for(ffi::ThreadPool* pool, int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  int64_t threads = pool ? pool->num_threads() : 0;
+  if (n == 1 || threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    std::condition_variable cv;
+    int64_t active = 0;
+    bool closed = false;
+  };
+  auto shared = std::make_shared<Shared>();
+  const std::function<void(int64_t)>* body = &fn;
+  auto drain = [shared, body, n]() {
+    for (int64_t i; (i = shared->next.fetch_add(1)) < n;) (*body)(i);
+  };
+  int64_t helpers = std::min<int64_t>(threads, n) - 1;
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool->Schedule([shared, drain]() {
+      {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        if (shared->closed) return;  // started too late: the caller finished the work
+        ++shared->active;
+      }
+      drain();
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (--shared->active == 0) shared->cv.notify_all();
+    });
+  }
+  drain();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->closed = true;
+  shared->cv.wait(lock, [&] { return shared->active == 0; });
+}
+
+// ---- batch dims --------------------------------------------------------------------------------
+// vmap uses `broadcast_all`: every operand carries the same leading batch dims. Returns the
+// product of the leading dims of a buffer whose trailing `core_rank` dims are the op's own.
+inline int64_t leading_product(ffi::AnyBuffer::Dimensions dims, int64_t core_rank) {
+  int64_t p = 1;
+  for (int64_t i = 0; i + core_rank < static_cast<int64_t>(dims.size()); ++i) p *= dims[i];
+  return p;
+}
+
+inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+}  // namespace turbo_moe

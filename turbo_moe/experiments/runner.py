@@ -1,0 +1,256 @@
+"""Run a sweep: each point through papermill, resume, failure isolation, one results row per point.
+
+Files a sweep ``<s>`` writes (``experiments/`` defaults, see ``SweepLayout``)::
+
+    runs/<s>/<point>.ipynb        the executed notebook (git-ignored)
+    results/<s>/<point>.json      the point's record, written by the notebook at parameter ``result_json``
+    results/<s>.csv               one row per point run, appended atomically
+
+A point that fails (exception, dead kernel, timeout) becomes a row with status ``error`` (``oom`` when the
+message says the device ran out of memory) and the sweep goes on. Points whose latest row is final
+(ok/oom/nan) with the same parameters are skipped on re-run; ``error`` points are retried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import fnmatch
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from turbo_moe.experiments import results
+from turbo_moe.experiments.spec import SweepPoint, SweepSpec
+
+_OOM_PATTERN = re.compile(r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b", re.IGNORECASE)
+# RunResult.summary keys copied into each row (any other summary keys are copied too, after these).
+SUMMARY_FIELDS = (
+    "tgs", "mfu", "peak_memory_bytes", "memory_source", "compiled_temp_bytes", "final_loss",
+    "final_eval_loss", "dropped_fraction_mean", "params_total", "params_active", "flops_per_token",
+    "steps_done", "compile_time_s", "peak_flops_source",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepLayout:
+    """Where one sweep's files go."""
+
+    results_dir: Path
+    runs_dir: Path
+    sweep: str
+
+    @property
+    def table(self) -> Path:
+        return self.results_dir / f"{self.sweep}.csv"
+
+    def record(self, point: SweepPoint) -> Path:
+        return self.results_dir / self.sweep / f"{point.name}.json"
+
+    def notebook_out(self, point: SweepPoint) -> Path:
+        return self.runs_dir / self.sweep / f"{point.name}.ipynb"
+
+
+def default_experiments_dir(spec: SweepSpec) -> Path:
+    """``<repo>/experiments`` for a spec under ``experiments/sweeps/``; else ``./experiments``."""
+    if spec.source is not None and spec.source.resolve().parent.name == "sweeps":
+        return spec.source.resolve().parent.parent
+    return Path.cwd() / "experiments"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedPoint:
+    point: SweepPoint
+    action: str  # "run" | "skip"
+    reason: str
+
+
+def plan_sweep(
+    spec: SweepSpec, layout: SweepLayout, *, force: bool = False, only: str | None = None
+) -> list[PlannedPoint]:
+    """Decide for every point whether it runs or is skipped (already finished with these parameters)."""
+    done = {} if force else results.finished_points(layout.table)
+    planned = []
+    for point in spec.expand():
+        if only is not None and not fnmatch.fnmatch(point.name, only):
+            continue
+        if done.get(point.name) == point.key:
+            planned.append(PlannedPoint(point, "skip", "finished"))
+        else:
+            planned.append(PlannedPoint(point, "run", "new" if point.name not in done else "params changed"))
+    return planned
+
+
+def run_sweep(
+    spec: SweepSpec,
+    *,
+    layout: SweepLayout,
+    force: bool = False,
+    only: str | None = None,
+    kernel: str | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Run every pending point of ``spec``; returns the rows appended (one per point run)."""
+    planned = plan_sweep(spec, layout, force=force, only=only)
+    check_kernel(kernel or spec.kernel)
+    pending = [p.point for p in planned if p.action == "run"]
+    skipped = len(planned) - len(pending)
+    log(f"sweep {spec.name}: {len(planned)} points, {skipped} already finished, {len(pending)} to run")
+    rows = []
+    bar = tqdm(pending, desc=spec.name, unit="point", disable=not progress)
+    for point in bar:
+        bar.set_postfix_str(point.name)
+        row = run_point(spec, point, layout=layout, kernel=kernel or spec.kernel)
+        results.append_row(layout.table, row)
+        rows.append(row)
+        if row["status"] != "ok":
+            log(f"  {point.name}: {row['status']}: {str(row.get('error'))[:200]}")
+    bar.close()
+    counts = {s: sum(r["status"] == s for r in rows) for s in results.STATUSES}
+    log(f"sweep {spec.name}: done; this run " + ", ".join(f"{k}={v}" for k, v in counts.items() if v)
+        + f"; table {layout.table}")
+    return rows
+
+
+def run_point(spec: SweepSpec, point: SweepPoint, *, layout: SweepLayout, kernel: str) -> dict[str, Any]:
+    """Execute one point's notebook and turn the outcome into a results row. Never raises on failure."""
+    record_path, notebook_out = layout.record(point), layout.notebook_out(point)
+    for stale in (record_path, notebook_out):
+        stale.unlink(missing_ok=True)  # a stale record must never pass for this run's result
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    notebook_out.parent.mkdir(parents=True, exist_ok=True)
+    params = {**point.params, "result_json": str(record_path.resolve()), "run_name": f"{spec.name}/{point.name}"}
+    start = time.perf_counter()
+    status, error = execute_notebook(spec, params, notebook_out, kernel)
+    elapsed = time.perf_counter() - start
+    record = results.load_record(record_path) if record_path.exists() else None
+    if record is not None:
+        # The notebook's own verdict wins for oom/nan; a crash after an ok record stays an error.
+        rec_status = record.get("status", "ok")
+        if rec_status != "ok" or status == "ok":
+            status, error = rec_status, record.get("error") or error
+    elif status == "ok" and spec.record:
+        status, error = "error", f"the notebook finished but wrote no record at result_json={record_path}"
+    return build_row(spec, point, status, error, elapsed, record, layout, record_path, notebook_out)
+
+
+def execute_notebook(spec: SweepSpec, params: dict[str, Any], notebook_out: Path, kernel: str) -> tuple[str, str | None]:
+    """Run the notebook through papermill; returns (status, error message or None)."""
+    import papermill  # deferred: importing it costs ~1 s and dry runs do not need it
+
+    try:
+        papermill.execute_notebook(
+            str(spec.notebook),
+            str(notebook_out),
+            parameters=params,
+            kernel_name=kernel,
+            cwd=str(spec.notebook.parent),
+            execution_timeout=spec.cell_timeout_s,
+            progress_bar=False,
+        )
+    except Exception as exc:  # isolation: any failure of one point becomes its row, the sweep goes on
+        return classify_error(exc)
+    return "ok", None
+
+
+def check_kernel(name: str) -> None:
+    """Raise a ValueError with the fix when the Jupyter kernel ``name`` is not installed."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        raise ValueError(
+            f"Jupyter kernel {name!r} is not installed; install it for this environment with "
+            f"`python -m ipykernel install --user --name {name}` or pass --kernel NAME"
+        ) from None
+
+
+def classify_error(exc: BaseException) -> tuple[str, str]:
+    """(status, message) for a failed point: ``oom`` when the device ran out of memory, else ``error``."""
+    ename = getattr(exc, "ename", None) or type(exc).__name__
+    evalue = getattr(exc, "evalue", None) or str(exc)
+    message = f"{ename}: {evalue}".strip()
+    if type(exc).__name__ == "DeadKernelError":
+        message += " (the kernel died; a host out-of-memory kill is a common cause)"
+    status = "oom" if _OOM_PATTERN.search(message) else "error"
+    return status, message[:2000]
+
+
+def build_row(
+    spec: SweepSpec,
+    point: SweepPoint,
+    status: str,
+    error: str | None,
+    elapsed: float,
+    record: dict[str, Any] | None,
+    layout: SweepLayout,
+    record_path: Path,
+    notebook_out: Path,
+) -> dict[str, Any]:
+    """One results row: point parameters, status, summary fields, provenance and file paths."""
+    row: dict[str, Any] = {
+        "sweep": spec.name, "point": point.name, "point_key": point.key, "status": status, "error": error,
+    }
+    row.update({k: v for k, v in point.params.items() if k not in row})
+    summary = (record or {}).get("summary") or {}
+    for key in (*SUMMARY_FIELDS, *summary):
+        if key not in row:
+            row[key] = summary.get(key)
+    row.update(provenance((record or {}).get("provenance") or {}))
+    row["elapsed_s"] = round(elapsed, 3)
+    row["record"] = str(record_path.relative_to(layout.results_dir)) if record is not None else None
+    row["notebook_out"] = str(notebook_out)
+    return row
+
+
+def provenance(from_record: dict[str, Any]) -> dict[str, Any]:
+    """Provenance columns: the record's when present, else what the sweep process can tell.
+
+    The sweep process never initialises a JAX backend itself (on a GPU that would take the memory the
+    notebook kernel needs), so a point that failed before writing a record has no device kind.
+    """
+    fallback = {
+        "device_kind": None,
+        "device_count": None,
+        "platform": None,
+        "jax_version": _package_version("jax"),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return {k: from_record.get(k, fallback[k]) or fallback[k] for k in results.PROVENANCE_COLUMNS}
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """Short commit of the working tree (with ``-dirty`` when modified), or None outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=10"],
+            cwd=cwd or Path(__file__).parent, capture_output=True, text=True, timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def host_description() -> str:
+    """Short text about the machine running the sweep process (for logs)."""
+    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)"

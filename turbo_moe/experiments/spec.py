@@ -1,0 +1,232 @@
+"""Sweep specs: load a YAML file, validate it, expand its grid into named points.
+
+A spec names one notebook and the parameter points to run it with::
+
+    name: paths_x_batch                 # optional, defaults to the file stem
+    description: TGS/memory/OOM frontier
+    notebook: notebooks/02_train.ipynb  # relative to the spec file, the repository root or the cwd
+    kernel: turbo-moe                   # optional Jupyter kernel name
+    cell_timeout_s: 1800                # optional per-cell limit
+    record: true                        # the notebook writes a JSON record at `result_json`
+    base: {model: small, steps: 40}     # parameters shared by every point
+    grid:                               # cartesian product of these axes
+      path:                             # an axis whose values are mappings ("bundles") merges them
+        - {moe_path: dense_cf, capacity_factor: 1.0}
+        - {moe_path: ragged}
+      per_device_batch: [1, 2, 4]
+    points:                             # explicit points, appended after the grid
+      - {moe_path: turbo, per_device_batch: 8}
+
+Every point is ``base`` updated with its grid values and/or explicit entries. Its name is built from the
+parameters that vary (``moe_path-ragged__per_device_batch-4``), so names stay stable when points are
+added, which is what resume relies on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_KERNEL = "turbo-moe"
+# Parameters the sweep injects into every point; a spec may not set them itself.
+RESERVED_PARAMS = ("result_json", "run_name")
+_SPEC_KEYS = ("name", "description", "notebook", "kernel", "cell_timeout_s", "record", "base", "grid", "points")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SCALAR_TYPES = (str, int, float, bool, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPoint:
+    """One notebook run: its file-safe ``name``, all parameters, and the parameters that name it."""
+
+    name: str
+    params: dict[str, Any]
+    varying: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        """Short hash of all parameters: a finished row only counts for resume if its key matches."""
+        return params_key(self.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+    """A validated sweep spec (see the module docstring for the YAML layout)."""
+
+    name: str
+    notebook: Path
+    base: dict[str, Any]
+    grid: dict[str, list[Any]]
+    points: list[dict[str, Any]]
+    kernel: str = DEFAULT_KERNEL
+    cell_timeout_s: float | None = None
+    record: bool = True
+    description: str = ""
+    source: Path | None = None
+
+    def expand(self) -> list[SweepPoint]:
+        """All points: the grid's cartesian product, then the explicit points, in spec order."""
+        combos: list[dict[str, Any]] = []
+        if self.grid:
+            axes = list(self.grid)
+            for values in itertools.product(*(self.grid[a] for a in axes)):
+                varying: dict[str, Any] = {}
+                for axis, value in zip(axes, values):
+                    varying.update(value if isinstance(value, Mapping) else {axis: value})
+                combos.append(varying)
+        combos.extend(dict(p) for p in self.points)
+        if not combos:
+            combos = [{}]
+        points = [SweepPoint(point_name(v), {**self.base, **v}, v) for v in combos]
+        _check_unique_names(points)
+        return points
+
+
+def params_key(params: Mapping[str, Any]) -> str:
+    """Stable 12-hex-digit hash of a parameter dict (order-independent)."""
+    text = json.dumps(dict(params), sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def point_name(varying: Mapping[str, Any]) -> str:
+    """File-safe name from the varying parameters, e.g. ``moe_path-ragged__per_device_batch-4``."""
+    if not varying:
+        return "default"
+    parts = [f"{k}-{_format_value(v)}" for k, v in varying.items()]
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", "__".join(parts))
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:.1f}"
+    return str(value)
+
+
+def _check_unique_names(points: list[SweepPoint]) -> None:
+    seen: dict[str, dict[str, Any]] = {}
+    for p in points:
+        if p.name in seen:
+            raise ValueError(
+                f"sweep points {seen[p.name]} and {p.varying} both get the name {p.name!r}; "
+                "make the grid/points differ in a parameter value"
+            )
+        seen[p.name] = p.varying
+
+
+def load_spec(path: str | Path, *, repo_root: str | Path | None = None) -> SweepSpec:
+    """Read and validate a sweep spec YAML file; raises ValueError naming the offending field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"sweep spec {str(path)!r} does not exist")
+    raw = yaml.safe_load(path.read_text())
+    return spec_from_dict(raw, source=path, repo_root=repo_root)
+
+
+def spec_from_dict(
+    raw: Any, *, source: Path | None = None, repo_root: str | Path | None = None
+) -> SweepSpec:
+    """Validate a parsed spec mapping (see ``load_spec``)."""
+    where = f"sweep spec {str(source)!r}" if source else "sweep spec"
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a YAML mapping at the top level, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; allowed fields are {list(_SPEC_KEYS)}")
+    name = raw.get("name", source.stem if source else None)
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"{where}: field 'name' must be a file-safe string ([A-Za-z0-9._-]), got {name!r}")
+    if "notebook" not in raw:
+        raise ValueError(f"{where}: field 'notebook' is required (path of the .ipynb to run)")
+    base = _check_params(raw.get("base") or {}, f"{where}: field 'base'")
+    grid = _check_grid(raw.get("grid") or {}, where)
+    points_raw = raw.get("points") or []
+    if not isinstance(points_raw, list):
+        raise ValueError(f"{where}: field 'points' must be a list of mappings, got {type(points_raw).__name__}")
+    points = [_check_params(p, f"{where}: points[{i}]") for i, p in enumerate(points_raw)]
+    timeout = raw.get("cell_timeout_s")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"{where}: field 'cell_timeout_s' must be a positive number, got {timeout!r}")
+    kernel = raw.get("kernel", DEFAULT_KERNEL)
+    if not isinstance(kernel, str) or not kernel:
+        raise ValueError(f"{where}: field 'kernel' must be a non-empty string, got {kernel!r}")
+    record = raw.get("record", True)
+    if not isinstance(record, bool):
+        raise ValueError(f"{where}: field 'record' must be true or false, got {record!r}")
+    return SweepSpec(
+        name=name,
+        notebook=resolve_notebook(raw["notebook"], source=source, repo_root=repo_root),
+        base=base,
+        grid=grid,
+        points=points,
+        kernel=kernel,
+        cell_timeout_s=float(timeout) if timeout is not None else None,
+        record=record,
+        description=str(raw.get("description", "")),
+        source=source,
+    )
+
+
+def _check_params(params: Any, where: str) -> dict[str, Any]:
+    if not isinstance(params, Mapping):
+        raise ValueError(f"{where} must be a mapping of parameter name to value, got {type(params).__name__}")
+    for key, value in params.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"{where}: parameter name {key!r} is not a valid Python identifier")
+        if key in RESERVED_PARAMS:
+            raise ValueError(f"{where}: parameter {key!r} is set by the sweep itself; remove it")
+        if not isinstance(value, (*_SCALAR_TYPES, list, dict)):
+            raise ValueError(f"{where}: parameter {key!r} has unsupported type {type(value).__name__}")
+    return dict(params)
+
+
+def _check_grid(grid: Any, where: str) -> dict[str, list[Any]]:
+    if not isinstance(grid, Mapping):
+        raise ValueError(f"{where}: field 'grid' must be a mapping of axis name to list of values")
+    checked: dict[str, list[Any]] = {}
+    for axis, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{where}: grid axis {axis!r} must be a non-empty list, got {values!r}")
+        for i, value in enumerate(values):
+            if isinstance(value, Mapping):
+                _check_params(value, f"{where}: grid axis {axis!r} value [{i}]")
+            else:
+                _check_params({axis: value}, f"{where}: grid")
+        checked[str(axis)] = list(values)
+    return checked
+
+
+def resolve_notebook(
+    notebook: Any, *, source: Path | None = None, repo_root: str | Path | None = None
+) -> Path:
+    """Find the notebook: absolute, or relative to the spec's folder, the repo root, or the cwd."""
+    if not isinstance(notebook, (str, Path)) or not str(notebook).endswith(".ipynb"):
+        raise ValueError(f"sweep spec field 'notebook' must be a path to a .ipynb file, got {notebook!r}")
+    candidate = Path(notebook).expanduser()
+    if candidate.is_absolute():
+        bases = [Path("/")]
+    else:
+        bases = [b for b in (source.parent if source else None, repo_root, _repo_root_of(source), Path.cwd()) if b]
+    for base in bases:
+        if (Path(base) / candidate).is_file():
+            return (Path(base) / candidate).resolve()
+    raise ValueError(
+        f"sweep spec field 'notebook': {str(notebook)!r} not found (looked in {[str(b) for b in bases]})"
+    )
+
+
+def _repo_root_of(source: Path | None) -> Path | None:
+    """The folder that holds ``experiments/`` when the spec lives under it."""
+    if source is None:
+        return None
+    for parent in source.resolve().parents:
+        if parent.name == "experiments":
+            return parent.parent
+    return None

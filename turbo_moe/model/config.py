@@ -1,0 +1,285 @@
+"""ModelConfig: one frozen dataclass for the DeepSeek-V3-style decoder, its presets and validation.
+
+Every module receives the whole config; each behavioural difference is an explicit field read in one
+place. Presets: `tiny` (CPU tests), `small` (CPU default run), `reduced` (one 80 GB GPU),
+`deepseek_v3_671b` (the public architecture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Mapping
+
+MOE_PATHS = ("dense_cf", "ragged", "turbo")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+PARAM_DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+# MaxText spellings accepted by `from_dict` (left) for our field names (right).
+MAXTEXT_ALIASES = {
+    "emb_dim": "d_model",
+    "base_emb_dim": "d_model",
+    "base_num_decoder_layers": "n_layers",
+    "num_decoder_layers": "n_layers",
+    "first_num_dense_layers": "n_dense_layers",
+    "mlp_dim": "dense_ffn_dim",
+    "base_mlp_dim": "dense_ffn_dim",
+    "moe_mlp_dim": "moe_ffn_dim",
+    "base_moe_mlp_dim": "moe_ffn_dim",
+    "num_experts": "n_experts",
+    "shared_experts": "n_shared_experts",
+    "num_experts_per_tok": "top_k",
+    "n_routing_groups": "n_groups",
+    "topk_routing_group": "topk_groups",
+    "base_num_query_heads": "n_heads",
+    "num_query_heads": "n_heads",
+    "max_target_length": "max_seq_len",
+    "mtp_num_layers": "mtp_depth",
+    "mtp_loss_scaling_factor": "mtp_loss_weight",
+    "routed_bias_update_rate": "router_bias_rate",
+    "weight_dtype": "param_dtype",
+    "normalization_layer_epsilon": "rms_norm_eps",
+    "logits_via_embedding": "tie_embeddings",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture + MoE-path settings. Validated on construction (`ValueError` naming the field)."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 3
+    n_dense_layers: int = 1
+    dense_ffn_dim: int = 128
+    moe_ffn_dim: int = 32
+    n_experts: int = 8
+    n_shared_experts: int = 1
+    top_k: int = 2
+    n_groups: int = 4
+    topk_groups: int = 2
+    routed_scaling_factor: float = 1.0
+    n_heads: int = 4
+    q_lora_rank: int = 32  # 0: plain query projection (no low-rank compression)
+    kv_lora_rank: int = 16
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    rope_theta: float = 10000.0
+    max_seq_len: int = 64
+    mtp_depth: int = 1
+    mtp_loss_weight: float = 0.3
+    balance_loss_weight: float = 1e-4
+    router_bias_rate: float = 1e-3
+    moe_path: str = "ragged"
+    capacity_factor: float = 1.25  # dense_cf only; <= 0 computes every expert densely
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    remat_policy: str = "none"
+    tie_embeddings: bool = False
+    rms_norm_eps: float = 1e-6
+    init_std: float = 0.02
+    attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
+
+    def __post_init__(self):
+        _validate(self)
+
+    # ----- derived sizes -----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        """MoE layers in the main stack (MTP blocks not included)."""
+        return self.n_layers - self.n_dense_layers
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Layer `layer_index` (MTP blocks continue the numbering after n_layers) is MoE."""
+        return layer_index >= self.n_dense_layers
+
+    @property
+    def n_router_layers(self) -> int:
+        """Rows of `MoEStats.expert_load`: main MoE layers then MoE MTP blocks."""
+        mtp_moe = sum(self.is_moe_layer(self.n_layers + d) for d in range(self.mtp_depth))
+        return self.n_moe_layers + mtp_moe
+
+    # ----- construction helpers -----
+    def replace(self, **overrides) -> "ModelConfig":
+        return ModelConfig.from_dict({**self.to_dict(), **_canonical_names(overrides)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a dict; accepts MaxText aliases (emb_dim, num_experts, ...); unknown keys raise."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"ModelConfig.from_dict expects a mapping, got {type(values).__name__}")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = MAXTEXT_ALIASES.get(key, key)
+            if name not in known:
+                raise ValueError(f"unknown ModelConfig field {key!r}; known fields: {sorted(known)}")
+            if name in kwargs:
+                raise ValueError(f"ModelConfig field {name!r} given twice (as {key!r} and an alias)")
+            kwargs[name] = _coerce(name, value, known[name].type)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path_or_text: str) -> "ModelConfig":
+        """From a YAML file path or YAML text. A top-level `preset:` key starts from that preset."""
+        import yaml
+
+        text = path_or_text
+        if os.path.exists(path_or_text):
+            with open(path_or_text) as f:
+                text = f.read()
+        values = yaml.safe_load(text) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"YAML model config must be a mapping, got {type(values).__name__}")
+        preset = values.pop("preset", None)
+        return get_config(preset, **values) if preset else cls.from_dict(values)
+
+
+def _canonical_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Rename MaxText aliases so overrides replace (not duplicate) the field they name."""
+    renamed: dict[str, Any] = {}
+    for key, value in overrides.items():
+        name = MAXTEXT_ALIASES.get(key, key)
+        if name in renamed:
+            raise ValueError(f"ModelConfig field {name!r} given twice (as {key!r} and an alias)")
+        renamed[name] = value
+    return renamed
+
+
+def _coerce(name: str, value: Any, type_name: Any) -> Any:
+    """Coerce YAML/CLI values (e.g. '1e-3', 2.0 for an int) to the field's type, or raise naming the field."""
+    type_name = type_name if isinstance(type_name, str) else type_name.__name__
+    try:
+        if type_name == "int":
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError
+            return int(float(value))
+        if type_name == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if type_name == "bool":
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if type_name == "str":
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        raise TypeError(f"ModelConfig.{name} expects {type_name}, got {value!r}") from None
+    return value
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"ModelConfig.{field}: {message}")
+
+
+def _validate(c: ModelConfig) -> None:
+    positive = ("vocab_size", "d_model", "n_layers", "moe_ffn_dim", "n_experts", "top_k", "n_groups",
+                "topk_groups", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "max_seq_len")
+    for name in positive:
+        value = getattr(c, name)
+        _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
+                 f"must be a positive int, got {value!r}")
+    non_negative = ("n_dense_layers", "n_shared_experts", "q_lora_rank", "qk_nope_head_dim", "mtp_depth",
+                    "dense_ffn_dim")
+    for name in non_negative:
+        value = getattr(c, name)
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
+                 f"must be a non-negative int, got {value!r}")
+    _require(c.n_dense_layers <= c.n_layers, "n_dense_layers",
+             f"{c.n_dense_layers} dense layers > n_layers={c.n_layers}")
+    _require(c.n_dense_layers == 0 or c.dense_ffn_dim > 0, "dense_ffn_dim",
+             f"must be > 0 when n_dense_layers={c.n_dense_layers}")
+    _require(c.top_k <= c.n_experts, "top_k", f"top_k={c.top_k} > n_experts={c.n_experts}")
+    _require(c.n_experts % c.n_groups == 0, "n_groups",
+             f"n_groups={c.n_groups} does not divide n_experts={c.n_experts}")
+    _require(c.topk_groups <= c.n_groups, "topk_groups",
+             f"topk_groups={c.topk_groups} > n_groups={c.n_groups}")
+    selectable = c.topk_groups * (c.n_experts // c.n_groups)
+    _require(c.top_k <= selectable, "top_k",
+             f"top_k={c.top_k} > experts in the {c.topk_groups} selected groups ({selectable})")
+    _require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+             f"must be even (RoPE rotates pairs), got {c.qk_rope_head_dim}")
+    _require(c.moe_path in MOE_PATHS, "moe_path", f"unknown path {c.moe_path!r}; expected one of {MOE_PATHS}")
+    _require(c.dtype in COMPUTE_DTYPES, "dtype", f"got {c.dtype!r}; expected one of {COMPUTE_DTYPES}")
+    _require(c.param_dtype in PARAM_DTYPES, "param_dtype",
+             f"got {c.param_dtype!r}; expected one of {PARAM_DTYPES}")
+    _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
+             f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
+    _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
+             f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+    for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "init_std"):
+        value = getattr(c, name)
+        _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name,
+                 f"must be a positive finite number, got {value!r}")
+    for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate"):
+        value = getattr(c, name)
+        _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,
+                 f"must be a finite number >= 0, got {value!r}")
+    _require(isinstance(c.capacity_factor, (int, float)) and math.isfinite(c.capacity_factor),
+             "capacity_factor", f"must be a finite number, got {c.capacity_factor!r}")
+    _require(isinstance(c.tie_embeddings, bool), "tie_embeddings", f"must be a bool, got {c.tie_embeddings!r}")
+
+
+# ---------------------------------------------------------------- presets
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # Seconds on CPU: every feature on (MLA with q LoRA, groups, shared expert, MTP) at toy sizes.
+    "tiny": dict(
+        vocab_size=256, d_model=64, n_layers=3, n_dense_layers=1, dense_ffn_dim=128, moe_ffn_dim=32,
+        n_experts=8, n_shared_experts=1, top_k=2, n_groups=4, topk_groups=2, routed_scaling_factor=1.0,
+        n_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        max_seq_len=64, mtp_depth=1, router_bias_rate=1e-2,
+    ),
+    # CPU default run: ~11M parameters, 16 experts top-2, seq 128. float32 compute because XLA:CPU
+    # bf16 matmuls are much slower than f32 ones.
+    "small": dict(
+        vocab_size=8192, d_model=256, n_layers=4, n_dense_layers=1, dense_ffn_dim=768, moe_ffn_dim=192,
+        n_experts=16, n_shared_experts=1, top_k=2, n_groups=4, topk_groups=2, routed_scaling_factor=1.0,
+        n_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, max_seq_len=128, mtp_depth=1, router_bias_rate=1e-2, dtype="float32",
+    ),
+    # DeepSeek-V3 proportions at ~2 B total / ~0.35 B active: 64 routed experts (8 groups, top-4 groups)
+    # + 1 shared, top-6, MLA with q/kv LoRA and decoupled RoPE, MTP depth 1. Fits AdamW on one 80 GB GPU
+    # at 8 x 2048 tokens per device with cuDNN attention and per-layer remat.
+    "reduced": dict(
+        vocab_size=32768, d_model=1280, n_layers=16, n_dense_layers=1, dense_ffn_dim=3584, moe_ffn_dim=512,
+        n_experts=64, n_shared_experts=1, top_k=6, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,
+        n_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, max_seq_len=2048, mtp_depth=1, mtp_loss_weight=0.3, balance_loss_weight=1e-4,
+        router_bias_rate=1e-3, remat_policy="dots_no_batch", init_std=0.006,
+    ),
+    # The public DeepSeek-V3 architecture (config.json of deepseek-ai/DeepSeek-V3).
+    "deepseek_v3_671b": dict(
+        vocab_size=129280, d_model=7168, n_layers=61, n_dense_layers=3, dense_ffn_dim=18432, moe_ffn_dim=2048,
+        n_experts=256, n_shared_experts=1, top_k=8, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,
+        n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_theta=10000.0, max_seq_len=4096, mtp_depth=1, mtp_loss_weight=0.3,
+        balance_loss_weight=1e-4, router_bias_rate=1e-3, remat_policy="full", init_std=0.006,
+    ),
+}
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """Preset `name` with field overrides (MaxText aliases accepted), validated."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {PRESET_NAMES}")
+    return ModelConfig.from_dict({**_PRESETS[name], **_canonical_names(overrides)})

@@ -1,0 +1,59 @@
+"""Routed-expert weights and the interface shared by the three MoE paths.
+
+A MoE path is a pure function
+    path(x (B, S, D), routing: Routing, weights: ExpertWeights) -> (y (B, S, D), ExpertStats)
+returning the weighted sum of the routed experts' outputs (shared experts not included). Expert weights
+keep the expert axis E leading so a later shard_map can split it over an `expert` mesh axis.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from turbo_moe.model.config import ModelConfig
+
+
+class ExpertWeights(NamedTuple):
+    w_gate_up: jax.Array  # (E, D, 2F): gate and up projections fused along the output dim
+    w_down: jax.Array  # (E, F, D)
+
+    @property
+    def n_experts(self) -> int:
+        return self.w_gate_up.shape[0]
+
+    def astype(self, dtype) -> "ExpertWeights":
+        return ExpertWeights(self.w_gate_up.astype(dtype), self.w_down.astype(dtype))
+
+
+class ExpertStats(NamedTuple):
+    expert_load: jax.Array  # (E,) float32: token copies routed to each expert (before any dropping)
+    dropped_fraction: jax.Array  # () float32: fraction of token copies dropped (0 for dropless paths)
+
+
+def swiglu_fused(h: jax.Array) -> jax.Array:
+    """silu(gate) * up for h (..., 2F) = [gate | up] -> (..., F)."""
+    f = h.shape[-1] // 2
+    return jax.nn.silu(h[..., :f]) * h[..., f:]
+
+
+def routed_load(expert_ids: jax.Array, n_experts: int) -> jax.Array:
+    """(E,) float32 count of token copies per expert."""
+    return jnp.zeros((n_experts,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0)
+
+
+class RoutedExperts(nnx.Module):
+    """The E routed SwiGLU experts' parameters (fused gate+up, down)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        e, d, f = cfg.n_experts, cfg.d_model, cfg.moe_ffn_dim
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.w_gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), dtype))  # (E, D, 2F)
+        self.w_down = nnx.Param(init(rngs.params(), (e, f, d), dtype))  # (E, F, D)
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w_gate_up[...], self.w_down[...])

@@ -1,0 +1,130 @@
+"""Small building blocks of the decoder: RMSNorm, RoPE, MLA attention, SwiGLU MLP.
+
+Parameters are stored in `cfg.param_dtype` (float32); matmuls run in `cfg.dtype` (bfloat16).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from turbo_moe.model.config import ModelConfig
+
+
+def compute_dtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.dtype)
+
+
+def param_dtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.param_dtype)
+
+
+def linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, **kwargs) -> nnx.Linear:
+    """Bias-free projection with the model's init, param dtype and compute dtype."""
+    return nnx.Linear(
+        d_in, d_out, use_bias=False, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
+        kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs, **kwargs)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, returned in the compute dtype."""
+
+    def __init__(self, dim: int, cfg: ModelConfig):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype(cfg)))
+        self.eps = cfg.rms_norm_eps
+        self.out_dtype = compute_dtype(cfg)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(self.out_dtype)
+
+
+def rope_tables(seq_len: int, rope_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin tables, each (S, rope_dim // 2) float32, for positions 0..seq_len-1."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim))  # (R/2,)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (S, R/2)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the last dim of x (B, S, N, R) in half-split ("rotate_half") pairing, float32 math."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]  # (B, S, N, R/2) each
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, S, 1, R/2)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), causal, training form (no KV cache).
+
+    q = W_qb RMSNorm(W_qa x)            (or W_q x when q_lora_rank == 0)
+    [c_kv, k_rope] = W_kva x;  [k_nope, v] = W_kvb RMSNorm(c_kv)
+    k_rope is shared by all heads; RoPE is applied to the decoupled q_rope / k_rope dims only.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, d = cfg.n_heads, cfg.d_model
+        if cfg.q_lora_rank > 0:
+            self.wq_a = linear(cfg, d, cfg.q_lora_rank, rngs)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg)
+            self.wq_b = linear(cfg, cfg.q_lora_rank, h * cfg.qk_head_dim, rngs)
+        else:
+            self.wq = linear(cfg, d, h * cfg.qk_head_dim, rngs)
+        self.wkv_a = linear(cfg, d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, rngs)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg)
+        self.wkv_b = linear(cfg, cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs)
+        self.wo = linear(cfg, h * cfg.v_head_dim, d, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, s, _ = x.shape
+        h, nope, rope, vdim = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank > 0:
+            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        else:
+            q = self.wq(x)
+        q = q.reshape(b, s, h, nope + rope)  # (B, S, H, nope+rope)
+        q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], cos, sin)], axis=-1)
+
+        kv_a = self.wkv_a(x)  # (B, S, kv_lora + rope)
+        c_kv, k_rope = kv_a[..., : cfg.kv_lora_rank], kv_a[..., cfg.kv_lora_rank:]
+        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin)  # (B, S, 1, rope)
+        kv = self.wkv_b(self.kv_norm(c_kv)).reshape(b, s, h, nope + vdim)  # (B, S, H, nope+v)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, rope))], axis=-1)  # (B, S, H, qk)
+
+        out = causal_attention(q, k, v, cfg.attention_impl)  # (B, S, H, v)
+        return self.wo(out.reshape(b, s, h * vdim))
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
+    """softmax(q k^T / sqrt(d_qk)) v, causal, via jax.nn.dot_product_attention.
+
+    q, k (B, S, H, Dqk); v (B, S, H, Dv) -> (B, S, H, Dv). jax.nn.dot_product_attention needs one head
+    dim for q, k and v, so the smaller side is zero-padded (zeros change neither scores nor outputs) and
+    the result sliced; the scale stays 1/sqrt(Dqk).
+    """
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    width = max(d_qk, d_v)
+    pad = lambda t: t if t.shape[-1] == width else jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])])
+    out = jax.nn.dot_product_attention(
+        pad(q), pad(k), pad(v), scale=d_qk ** -0.5, is_causal=True,
+        implementation=None if impl == "auto" else impl)
+    return out[..., :d_v]
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)); used for dense layers and the shared experts."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int, rngs: nnx.Rngs):
+        self.wi_gate = linear(cfg, cfg.d_model, hidden, rngs)
+        self.wi_up = linear(cfg, cfg.d_model, hidden, rngs)
+        self.wo = linear(cfg, hidden, cfg.d_model, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.wo(jax.nn.silu(self.wi_gate(x)) * self.wi_up(x))

@@ -1,0 +1,54 @@
+"""MoE feed-forward: shared experts + routed experts through the configured path (chosen here only)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+from flax import nnx
+
+from turbo_moe.model.config import MOE_PATHS, ModelConfig
+from turbo_moe.model.experts import ExpertStats, ExpertWeights, RoutedExperts
+from turbo_moe.model.layers import SwiGLU
+from turbo_moe.model.moe_dense_cf import dense_cf_experts
+from turbo_moe.model.moe_ragged import ragged_experts
+from turbo_moe.model.moe_turbo import turbo_experts
+from turbo_moe.model.router import Router, Routing, sequence_balance_loss
+
+MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, ExpertStats]"]
+
+
+class LayerStats(NamedTuple):
+    expert_load: jax.Array  # (E,) float32
+    dropped_fraction: jax.Array  # () float32
+    balance_loss: jax.Array  # () float32, sequence-wise, without its weight
+
+
+def moe_path_fn(path: str, capacity_factor: float) -> MoEPath:
+    """The one place that maps `moe_path` to its implementation."""
+    if path == "dense_cf":
+        return functools.partial(dense_cf_experts, capacity_factor=capacity_factor)
+    if path == "ragged":
+        return ragged_experts
+    if path == "turbo":
+        return turbo_experts
+    raise ValueError(f"moe_path: unknown path {path!r}; expected one of {MOE_PATHS}")
+
+
+class MoELayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.router = Router(cfg, rngs)
+        self.experts = RoutedExperts(cfg, rngs)
+        self.shared = SwiGLU(cfg, cfg.n_shared_experts * cfg.moe_ffn_dim, rngs) if cfg.n_shared_experts else None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, LayerStats]:
+        """x (B, S, D) -> (y (B, S, D), per-layer stats)."""
+        routing = self.router(x)
+        path = moe_path_fn(self.cfg.moe_path, self.cfg.capacity_factor)
+        y, stats = path(x, routing, self.experts.weights())
+        if self.shared is not None:
+            y = y + self.shared(x)
+        balance = sequence_balance_loss(routing.scores, routing.expert_ids, self.cfg.n_experts)
+        return y, LayerStats(stats.expert_load, stats.dropped_fraction, balance)

@@ -1,0 +1,95 @@
+"""DeepSeek-V3 router: sigmoid scores, group-limited top-k, auxiliary-loss-free bias, balance loss.
+
+Selection uses `score + bias` (bias only steers which experts are picked); the combine weights are the
+plain sigmoid scores of the picked experts, normalised to sum to 1 and multiplied by
+`routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from turbo_moe.model.config import ModelConfig
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert selection bias. Not an nnx.Param: the optimizer skips it; `update_router_bias` sets it."""
+
+
+class Routing(NamedTuple):
+    """Router output for tokens (..., D). All float32 except the ids."""
+
+    expert_ids: jax.Array  # (..., k) int32, experts chosen per token
+    weights: jax.Array  # (..., k) float32, combine weights (normalised, scaled)
+    scores: jax.Array  # (..., E) float32, sigmoid affinities (no bias), for the balance loss
+
+
+def group_limited_topk(
+    scores: jax.Array, bias: jax.Array, *, top_k: int, n_groups: int, topk_groups: int
+) -> jax.Array:
+    """Expert ids (..., k) int32: top-k of `scores + bias` restricted to the best `topk_groups` groups.
+
+    A group's score is the sum of its two best biased scores (its best one when a group holds one
+    expert), as in DeepSeek-V3. Ties break toward the lower index (jax.lax.top_k).
+    """
+    n_experts = scores.shape[-1]
+    per_group = n_experts // n_groups
+    biased = scores + bias  # (..., E)
+    if n_groups > 1:
+        grouped = biased.reshape(*biased.shape[:-1], n_groups, per_group)  # (..., G, E/G)
+        group_score = jax.lax.top_k(grouped, min(2, per_group))[0].sum(-1)  # (..., G)
+        _, keep_groups = jax.lax.top_k(group_score, topk_groups)  # (..., topk_groups)
+        group_mask = jnp.any(jax.nn.one_hot(keep_groups, n_groups, dtype=bool), axis=-2)  # (..., G)
+        masked = jnp.where(group_mask[..., None], grouped, -jnp.inf)
+        biased = masked.reshape(biased.shape)
+    _, expert_ids = jax.lax.top_k(biased, top_k)
+    return expert_ids.astype(jnp.int32)
+
+
+def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig) -> Routing:
+    """Pure routing from sigmoid scores (..., E) float32 and bias (E,)."""
+    expert_ids = group_limited_topk(
+        scores, jax.lax.stop_gradient(bias), top_k=cfg.top_k, n_groups=cfg.n_groups,
+        topk_groups=cfg.topk_groups)
+    picked = jnp.take_along_axis(scores, expert_ids, axis=-1)  # (..., k)
+    weights = picked / (picked.sum(-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+    return Routing(expert_ids=expert_ids, weights=weights, scores=scores)
+
+
+class Router(nnx.Module):
+    """Gate projection (D -> E, float32 math) + the selection bias."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(cfg.init_std)
+        self.kernel = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_experts), jnp.dtype(cfg.param_dtype)))
+        self.bias = RouterBias(jnp.zeros((cfg.n_experts,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> Routing:
+        # The gate runs in float32: small score differences decide the routing.
+        logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
+        return route(jax.nn.sigmoid(logits), self.bias[...], self.cfg)
+
+
+def sequence_balance_loss(scores: jax.Array, expert_ids: jax.Array, n_experts: int) -> jax.Array:
+    """DeepSeek-V3 sequence-wise balance loss sum_i f_i * P_i, averaged over sequences (no alpha).
+
+    scores (B, S, E) float32 sigmoid affinities; expert_ids (B, S, k).
+    f_i = E / (k S) * #{tokens of the sequence routed to i};  P_i = mean_t s_{t,i} / sum_j s_{t,j}.
+    Equals 1 for perfectly uniform routing and affinities.
+    """
+    _, s, k = expert_ids.shape
+    counts = jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.float32).sum(axis=(1, 2))  # (B, E)
+    f = jax.lax.stop_gradient(counts * n_experts / (k * s))
+    p = (scores / (scores.sum(-1, keepdims=True) + 1e-20)).mean(axis=1)  # (B, E)
+    return jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+def updated_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free update: b_i += rate * sign(mean load - load_i) (raise under-loaded experts)."""
+    load = expert_load.astype(jnp.float32)
+    return bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load)

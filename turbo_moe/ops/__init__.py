@@ -1,0 +1,18 @@
+"""FFI-backed MoE ops with custom VJPs (CPU handlers always; CUDA handlers when built).
+
+- grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad.
+- permute / unpermute: single-device dispatch/combine, each other's transposes.
+"""
+from turbo_moe.ops._ffi import ensure_registered
+from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
+from turbo_moe.ops.permute import PermuteHandle, permute
+from turbo_moe.ops.unpermute import unpermute
+
+__all__ = [
+    "ensure_registered",
+    "grouped_gemm",
+    "grouped_gemm_weight_grad",
+    "permute",
+    "unpermute",
+    "PermuteHandle",
+]

@@ -1,0 +1,88 @@
+"""Loads the FFI handler libraries with ctypes and registers their targets with XLA, once, lazily.
+
+The libraries are plain shared objects (no Python ABI) built from `kernels/` by the package build,
+so the same build works under any Python version. The CPU library is required; the CUDA library
+is registered for platform "CUDA" when it was built (nvcc present) and a CUDA backend exists.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+# One name per handler, spelled the same in kernels/cpu/*.cc, kernels/cuda/*.cu and here.
+TARGETS = (
+    "turbo_moe_grouped_gemm",
+    "turbo_moe_grouped_gemm_weight_grad",
+    "turbo_moe_permute",
+    "turbo_moe_unpermute",
+    "turbo_moe_unpermute_bwd",
+)
+CPU_LIBRARY = "libturbo_moe_cpu.so"
+CUDA_LIBRARY = "libturbo_moe_cuda.so"
+
+
+def library_dirs() -> list[Path]:
+    """Where the built libraries may live, in search order."""
+    dirs = []
+    if os.environ.get("TURBO_MOE_LIB_DIR"):
+        dirs.append(Path(os.environ["TURBO_MOE_LIB_DIR"]))
+    import turbo_moe
+
+    for root in turbo_moe.__path__:  # the installed package, or the source tree (editable)
+        dirs.append(Path(root) / "_lib")
+    return dirs
+
+
+def find_library(name: str) -> Path | None:
+    for d in library_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def _register(path: Path, platform: str) -> None:
+    lib = ctypes.CDLL(str(path))
+    for target in TARGETS:
+        try:
+            symbol = getattr(lib, target)
+        except AttributeError as e:
+            raise RuntimeError(f"{path} does not export the FFI handler {target!r}; rebuild turbo_moe") from e
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform=platform)
+
+
+def _cuda_backend_present() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except Exception:  # no CUDA plugin, or it failed to initialise: CPU only
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def ensure_registered() -> dict[str, str]:
+    """Registers every target once; returns {platform: library path} of what was registered."""
+    cpu = find_library(CPU_LIBRARY)
+    if cpu is None:
+        searched = ", ".join(str(d) for d in library_dirs())
+        raise RuntimeError(
+            f"turbo_moe's CPU kernel library {CPU_LIBRARY} was not found (searched: {searched}). "
+            "Build it with `pip install .` (or `pip install -e .`) from the repository root, "
+            "or point TURBO_MOE_LIB_DIR at the folder that holds it."
+        )
+    _register(cpu, "cpu")
+    registered = {"cpu": str(cpu)}
+    cuda = find_library(CUDA_LIBRARY)
+    if cuda is not None and _cuda_backend_present():
+        _register(cuda, "CUDA")
+        registered["CUDA"] = str(cuda)
+    return registered
+
+
+def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any) -> Any:
+    """Calls a registered target; vmap broadcasts every operand to the batch (kernels take leading dims)."""
+    ensure_registered()
+    return jax.ffi.ffi_call(target, result_shape_dtypes, vmap_method="broadcast_all")(*args, **attrs)

@@ -1,0 +1,79 @@
+"""Single-device MoE dispatch: sort token copies by expert, on the device, with static shapes."""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from turbo_moe.ops import _checks
+from turbo_moe.ops._ffi import ffi_call
+
+
+class PermuteHandle(NamedTuple):
+    """What `unpermute` needs to bring rows back. A pytree, so it passes through jit/scan/vmap.
+
+    row_index: int32 (T, k), the row of x_sorted holding token t's j-th copy; -1 for a dropped copy.
+    """
+
+    row_index: jax.Array
+
+
+def permute(x, expert_ids, num_experts: int):
+    """Copies each token once per selected expert and groups the copies by expert.
+
+    Args:
+      x: (T, H) tokens, bfloat16/float16/float32.
+      expert_ids: int32 (T, k) expert of each copy. An id outside [0, num_experts) drops that copy
+        (useful for capacity limits or masking): it gets no row and contributes zero on unpermute.
+      num_experts: E, static.
+    Returns:
+      x_sorted (T*k, H): copies stably sorted by expert (token order within an expert); rows past
+        sum(group_sizes) (the dropped copies) are zero.
+      group_sizes int32 (E,): copies per expert, for `grouped_gemm`.
+      handle: PermuteHandle for `unpermute`.
+    The gradient wrt x is `unpermute` of the incoming gradient with unit weights (its transpose).
+    """
+    _checks.check_rank("x", x, 2, "(T, H)")
+    _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
+    _checks.check_integer("expert_ids", expert_ids)
+    _checks.float_dtype("x", x.dtype)
+    if expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids (T, k) must have T={x.shape[0]} rows like x (T, H), got {expert_ids.shape}")
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive Python int (static), got {num_experts!r}")
+    x_sorted, group_sizes, row_index = _permute(x, _checks.as_int32(expert_ids), num_experts)
+    return x_sorted, group_sizes, PermuteHandle(row_index)
+
+
+def _permute_call(x, expert_ids, num_experts):
+    T, k = expert_ids.shape[-2:]
+    batch = x.shape[:-2]
+    out = (
+        jax.ShapeDtypeStruct(batch + (T * k, x.shape[-1]), x.dtype),
+        jax.ShapeDtypeStruct(batch + (num_experts,), jnp.int32),
+        jax.ShapeDtypeStruct(batch + (T, k), jnp.int32),
+    )
+    return ffi_call("turbo_moe_permute", out, x, expert_ids, num_experts=num_experts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _permute(x, expert_ids, num_experts):
+    return _permute_call(x, expert_ids, num_experts)
+
+
+def _permute_fwd(x, expert_ids, num_experts):
+    x_sorted, group_sizes, row_index = _permute_call(x, expert_ids, num_experts)
+    return (x_sorted, group_sizes, row_index), row_index
+
+
+def _permute_bwd(num_experts, row_index, cotangents):
+    from turbo_moe.ops.unpermute import unpermute_call
+
+    d_sorted = cotangents[0]  # (T*k, H); group_sizes and row_index are integers: no gradient
+    ones = jnp.ones(row_index.shape, jnp.float32)
+    return unpermute_call(d_sorted, row_index, ones), None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)

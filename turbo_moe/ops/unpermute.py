@@ -1,0 +1,61 @@
+"""Single-device MoE combine: bring expert outputs back to token order and sum each token's copies."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from turbo_moe.ops import _checks
+from turbo_moe.ops._ffi import ffi_call
+from turbo_moe.ops.permute import PermuteHandle
+
+
+def unpermute(y_sorted, handle: PermuteHandle, weights):
+    """out[t] = sum_j weights[t, j] * y_sorted[handle.row_index[t, j]], accumulated in float32.
+
+    Args:
+      y_sorted: (T*k, H) rows in the order `permute` produced, bfloat16/float16/float32.
+      handle: the PermuteHandle returned by `permute`.
+      weights: (T, k) combine weights (e.g. router probabilities); any float dtype.
+    Returns:
+      (T, H) in y_sorted's dtype. Differentiable in y_sorted and weights; the gradient wrt
+      y_sorted is `permute`'s scatter (its transpose), rows of dropped copies get zero.
+    """
+    if not isinstance(handle, PermuteHandle):
+        raise TypeError(f"handle must be the PermuteHandle returned by permute, got {type(handle).__name__}")
+    row_index = handle.row_index
+    _checks.check_rank("y_sorted", y_sorted, 2, "(T*k, H)")
+    _checks.check_rank("weights", weights, 2, "(T, k)")
+    _checks.float_dtype("y_sorted", y_sorted.dtype)
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise TypeError(f"weights must be a float array (T, k), got dtype {weights.dtype}")
+    if weights.shape != row_index.shape:
+        raise ValueError(f"weights must have shape (T, k) = {row_index.shape} like the handle, got {weights.shape}")
+    if y_sorted.shape[0] != row_index.size:
+        raise ValueError(f"y_sorted (T*k, H) must have T*k = {row_index.size} rows, got {y_sorted.shape}")
+    return _unpermute(y_sorted, row_index, weights.astype(jnp.float32))
+
+
+def unpermute_call(y_sorted, row_index, weights_f32):
+    T = row_index.shape[-2]
+    out = jax.ShapeDtypeStruct(y_sorted.shape[:-2] + (T, y_sorted.shape[-1]), y_sorted.dtype)
+    return ffi_call("turbo_moe_unpermute", out, y_sorted, row_index, weights_f32)
+
+
+@jax.custom_vjp
+def _unpermute(y_sorted, row_index, weights_f32):
+    return unpermute_call(y_sorted, row_index, weights_f32)
+
+
+def _unpermute_fwd(y_sorted, row_index, weights_f32):
+    return unpermute_call(y_sorted, row_index, weights_f32), (y_sorted, row_index, weights_f32)
+
+
+def _unpermute_bwd(residuals, d_out):
+    y_sorted, row_index, weights_f32 = residuals
+    out = (jax.ShapeDtypeStruct(y_sorted.shape, y_sorted.dtype),
+           jax.ShapeDtypeStruct(weights_f32.shape, jnp.float32))
+    d_y, d_weights = ffi_call("turbo_moe_unpermute_bwd", out, d_out, y_sorted, row_index, weights_f32)
+    return d_y, None, d_weights
+
+
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
