@@ -1,35 +1,12 @@
 // Device-side group layout: clamped group offsets and row-tile prefixes from group_sizes, and a
 // zero-fill of the rows that belong to no group. Both read sizes on the device: no host sync.
+#include "block_scan.cuh"
 #include "common.cuh"
 
 namespace turbo_moe {
 namespace {
 
 constexpr int kScanThreads = 1024;
-
-// Inclusive scan of one int64 per thread across the block; *total gets the block's sum.
-__device__ long long block_inclusive_scan(long long v, long long* warp_sums, long long* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int d = 1; d < 32; d <<= 1) {
-    long long n = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v += n;
-  }
-  if (lane == 31) warp_sums[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    long long w = lane < warps ? warp_sums[lane] : 0;
-    for (int d = 1; d < 32; d <<= 1) {
-      long long n = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += n;
-    }
-    warp_sums[lane] = w;
-  }
-  __syncthreads();
-  if (warp > 0) v += warp_sums[warp - 1];
-  *total = warp_sums[warps - 1];
-  __syncthreads();  // warp_sums is reused by the next call
-  return v;
-}
 
 // One block per batch element; groups are scanned in chunks of blockDim.
 __global__ void group_offsets_kernel(const int32_t* sizes, int64_t groups, int64_t rows,
@@ -67,7 +44,7 @@ __global__ void zero_tail_rows_kernel(char* data, int64_t rows, int64_t row_byte
                                       const int32_t* row_begin_table, int64_t table_stride) {
   const int64_t b = blockIdx.y;
   char* base = data + b * rows * row_bytes;
-  const int64_t begin_row = min<int64_t>(max(row_begin_table[b * table_stride], 0), rows);
+  const int64_t begin_row = min(static_cast<int64_t>(max(row_begin_table[b * table_stride], 0)), rows);
   int64_t begin = begin_row * row_bytes;
   const int64_t end = rows * row_bytes;
   if (begin >= end) return;

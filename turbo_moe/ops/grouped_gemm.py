@@ -34,7 +34,9 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, preferre
     _checks.check_rank("rhs", rhs, 3, "(G, N, K)" if transpose_rhs else "(G, K, N)")
     _checks.check_rank("group_sizes", group_sizes, 1, "(G,)")
     _checks.check_integer("group_sizes", group_sizes)
-    compute = _checks.float_dtype("lhs/rhs (promoted)", jnp.promote_types(lhs.dtype, rhs.dtype))
+    _checks.float_dtype("lhs", lhs.dtype)
+    _checks.float_dtype("rhs", rhs.dtype)
+    compute = jnp.promote_types(lhs.dtype, rhs.dtype)
     out_dtype = compute if preferred_element_type is None else _checks.float_dtype(
         "preferred_element_type", preferred_element_type)
     G = rhs.shape[0]
@@ -61,7 +63,9 @@ def grouped_gemm_weight_grad(lhs, d_out, group_sizes, *, preferred_element_type=
     _checks.check_integer("group_sizes", group_sizes)
     if d_out.shape[0] != lhs.shape[0]:
         raise ValueError(f"d_out (M, N) must have M={lhs.shape[0]} rows like lhs, got {d_out.shape}")
-    compute = _checks.float_dtype("lhs/d_out (promoted)", jnp.promote_types(lhs.dtype, d_out.dtype))
+    _checks.float_dtype("lhs", lhs.dtype)
+    _checks.float_dtype("d_out", d_out.dtype)
+    compute = jnp.promote_types(lhs.dtype, d_out.dtype)
     out_dtype = compute if preferred_element_type is None else _checks.float_dtype(
         "preferred_element_type", preferred_element_type)
     return _weight_grad_call(lhs.astype(compute), d_out.astype(compute), _checks.as_int32(group_sizes),

@@ -1,0 +1,155 @@
+// CUDA FFI handlers of the grouped GEMM (the semantics of jax.lax.ragged_dot):
+//   turbo_moe_grouped_gemm:             out[r] = lhs[r] @ rhs[g(r)]            (M,K) x (G,K,N)|(G,N,K) -> (M,N)
+//   turbo_moe_grouped_gemm_weight_grad: dw[g]  = lhs[rows_g]^T @ d_out[rows_g]  (M,K),(M,N) -> (G,K,N)
+// Same contract as kernels/cpu/grouped_gemm.cc. Group sizes stay on the device: a small kernel
+// turns them into clamped offsets in XLA scratch memory, the GEMM reads those, and rows past
+// sum(group_sizes) are zeroed on the device. Hopper + bf16/f16 runs the CUTLASS wgmma kernels;
+// everything else (fp32, other GPUs, K or N not a multiple of 8) the portable kernels.
+#include "grouped_gemm.h"
+
+namespace turbo_moe {
+namespace {
+
+bool use_sm90(const GroupedGemmArgs& a, int device) {
+  const bool half_type = a.in_type == ffi::DataType::BF16 || a.in_type == ffi::DataType::F16;
+  return sm90_available() && compute_capability_major(device) == 9 && half_type &&
+         a.out_type == a.in_type && a.K > 0 && a.K % 8 == 0 && a.N % 8 == 0 &&
+         a.M < (int64_t{1} << 31) && a.K < (int64_t{1} << 31) && a.N < (int64_t{1} << 31) &&
+         a.batch * a.G < (int64_t{1} << 31);
+}
+
+// One scratch allocation: offsets and tile prefix (batch x (G+1) int32 each), then the sm90 arrays.
+struct CallScratch {
+  int32_t* offsets = nullptr;
+  int32_t* tile_prefix = nullptr;
+  void* sm90 = nullptr;
+  size_t sm90_bytes = 0;
+};
+
+ffi::Error allocate_scratch(ffi::ScratchAllocator& scratch, const GroupedGemmArgs& a, bool fast,
+                            bool weight_grad, int device, CallScratch* s) {
+  const size_t table = static_cast<size_t>(a.batch * (a.G + 1)) * sizeof(int32_t);
+  const size_t table_padded = (table + 255) & ~size_t(255);
+  s->sm90_bytes = fast ? sm90_scratch_bytes(a, weight_grad, device) : 0;
+  auto mem = scratch.Allocate(2 * table_padded + s->sm90_bytes, 256);
+  if (!mem.has_value()) return ffi::Error::Internal("grouped_gemm: scratch allocation failed");
+  char* base = static_cast<char*>(*mem);
+  s->offsets = reinterpret_cast<int32_t*>(base);
+  s->tile_prefix = reinterpret_cast<int32_t*>(base + table_padded);
+  s->sm90 = base + 2 * table_padded;
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer lhs,
+                           ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
+                           ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+  if (!is_float_type(lhs.element_type()) || rhs.element_type() != lhs.element_type())
+    return invalid("grouped_gemm: lhs and rhs must share one dtype of float32/bfloat16/float16");
+  if (!is_float_type(out->element_type()))
+    return invalid("grouped_gemm: output dtype must be float32/bfloat16/float16");
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
+  if (ld.size() < 2 || rd.size() != ld.size() + 1 || gd.size() != ld.size() - 1)
+    return invalid("grouped_gemm: expected lhs [..., M, K], rhs [..., G, K, N], group_sizes [..., G]");
+  const int64_t rank = ld.size();
+  GroupedGemmArgs a;
+  a.M = ld[rank - 2];
+  a.K = ld[rank - 1];
+  a.G = rd[rank - 2];
+  a.N = transpose_rhs ? rd[rank - 1] : rd[rank];
+  const int64_t rhs_k = transpose_rhs ? rd[rank] : rd[rank - 1];
+  if (rhs_k != a.K || gd[rank - 2] != a.G)
+    return invalid("grouped_gemm: contraction dim or group count mismatch between lhs, rhs, group_sizes");
+  a.batch = leading_product(ld, 2);
+  if (leading_product(rd, 3) != a.batch || leading_product(gd, 1) != a.batch)
+    return invalid("grouped_gemm: operands must share the same leading batch dims");
+  if (a.M >= (int64_t{1} << 31)) return invalid("grouped_gemm: M must be < 2^31");
+  a.lhs = lhs.untyped_data();
+  a.rhs = rhs.untyped_data();
+  a.out = out->untyped_data();
+  a.transpose_rhs = transpose_rhs;
+  a.in_type = lhs.element_type();
+  a.out_type = out->element_type();
+  if (a.batch == 0 || a.M == 0 || a.N == 0) return ffi::Error::Success();
+
+  int device = 0;
+  cudaGetDevice(&device);
+  const bool fast = use_sm90(a, device);
+  CallScratch s;
+  if (auto err = allocate_scratch(scratch, a, fast, false, device, &s); err.failure()) return err;
+  a.offsets = s.offsets;
+  a.tile_prefix = s.tile_prefix;
+  launch_group_offsets(group_sizes.typed_data(), a.batch, a.G, a.M, s.offsets, fast ? nullptr : s.tile_prefix,
+                       kSimtTileRows, stream);
+  ffi::Error err = fast ? launch_grouped_gemm_sm90(a, s.sm90, s.sm90_bytes, device, stream)
+                        : launch_grouped_gemm_simt(a, stream);
+  if (err.failure()) return err;
+  // Rows that belong to no group are defined as zero (never left uninitialised).
+  launch_zero_tail_rows(a.out, a.batch, a.M, a.N * byte_width(a.out_type), s.offsets + a.G, a.G + 1, stream);
+  return last_cuda_error("grouped_gemm");
+}
+
+ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                     ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
+                                     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d_rhs) {
+  if (!is_float_type(lhs.element_type()) || d_out.element_type() != lhs.element_type())
+    return invalid("grouped_gemm_weight_grad: lhs and d_out must share one dtype of f32/bf16/f16");
+  if (!is_float_type(d_rhs->element_type()))
+    return invalid("grouped_gemm_weight_grad: output dtype must be float32/bfloat16/float16");
+  auto ld = lhs.dimensions(), dd = d_out.dimensions(), gd = group_sizes.dimensions();
+  auto od = d_rhs->dimensions();
+  if (ld.size() < 2 || dd.size() != ld.size() || gd.size() != ld.size() - 1 || od.size() != ld.size() + 1)
+    return invalid("grouped_gemm_weight_grad: expected lhs [..., M, K], d_out [..., M, N], group_sizes [..., G]");
+  const int64_t rank = ld.size();
+  GroupedGemmArgs a;
+  a.M = ld[rank - 2];
+  a.K = ld[rank - 1];
+  a.N = dd[rank - 1];
+  a.G = gd[rank - 2];
+  if (dd[rank - 2] != a.M || od[rank - 1] != a.K || od[rank] != a.N || od[rank - 2] != a.G)
+    return invalid("grouped_gemm_weight_grad: shape mismatch between lhs, d_out and the result");
+  a.batch = leading_product(ld, 2);
+  if (a.M >= (int64_t{1} << 31)) return invalid("grouped_gemm_weight_grad: M must be < 2^31");
+  a.lhs = lhs.untyped_data();
+  a.rhs = d_out.untyped_data();
+  a.out = d_rhs->untyped_data();
+  a.transpose_rhs = false;
+  a.in_type = lhs.element_type();
+  a.out_type = d_rhs->element_type();
+  if (a.batch == 0 || a.G == 0 || a.K == 0 || a.N == 0) return ffi::Error::Success();
+
+  int device = 0;
+  cudaGetDevice(&device);
+  const bool fast = use_sm90(a, device);
+  CallScratch s;
+  if (auto err = allocate_scratch(scratch, a, fast, true, device, &s); err.failure()) return err;
+  a.offsets = s.offsets;
+  a.tile_prefix = s.tile_prefix;
+  launch_group_offsets(group_sizes.typed_data(), a.batch, a.G, a.M, s.offsets, nullptr, kSimtTileRows, stream);
+  ffi::Error err = fast ? launch_weight_grad_sm90(a, s.sm90, s.sm90_bytes, device, stream)
+                        : launch_weight_grad_simt(a, stream);
+  if (err.failure()) return err;
+  return last_cuda_error("grouped_gemm_weight_grad");
+}
+
+}  // namespace
+}  // namespace turbo_moe
+
+// Not marked command-buffer compatible: they take XLA scratch memory, which is per call.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
+                                  .Arg<xla::ffi::AnyBuffer>()                 // rhs [..., G, K, N] or [..., G, N, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // out [..., M, N]
+                                  .Attr<bool>("transpose_rhs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
+                                  .Arg<xla::ffi::AnyBuffer>()                 // d_out [..., M, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
+                                  .Ret<xla::ffi::AnyBuffer>());               // d_rhs [..., G, K, N]

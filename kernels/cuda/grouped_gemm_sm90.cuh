@@ -1,0 +1,238 @@
+// Hopper grouped GEMM on CUTLASS 3 (ptr-array grouped kernel: TMA loads, wgmma, warp-specialised
+// cooperative schedule, persistent group tile scheduler). Per-group problem shapes, pointers and
+// strides are built on the device from group_sizes, so nothing waits on the host. Included only
+// by the grouped_gemm_sm90_*.cu instance files, which are compiled for sm_90a alone.
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "grouped_gemm.h"
+
+namespace turbo_moe::sm90 {
+
+using namespace cute;
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+
+// One grouped GEMM configuration: D (row-major) = A @ B, float32 accumulation, no C operand.
+template <typename Element, typename LayoutA, typename LayoutB>
+struct Config {
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  static constexpr int kAlign = 8;  // 16 bytes of a 16-bit type: TMA needs K, N % 8 == 0
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, cutlass::layout::RowMajor*, kAlign,     // no C
+      Element, cutlass::layout::RowMajor*, kAlign,  // D
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element,
+      LayoutB*, kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+};
+
+// Device arrays the grouped kernel reads, carved from XLA scratch (n = batch * G problems).
+template <typename Cfg, typename Element>
+struct DeviceArgs {
+  typename Cfg::Shape3* shapes;
+  const Element** ptr_a;
+  const Element** ptr_b;
+  Element** ptr_d;
+  typename Cfg::StrideA* stride_a;
+  typename Cfg::StrideB* stride_b;
+  typename Cfg::StrideD* stride_d;
+
+  static DeviceArgs carve(ScratchArena& arena, int64_t n) {
+    DeviceArgs d;
+    d.shapes = arena.take<typename Cfg::Shape3>(n);
+    d.ptr_a = arena.take<const Element*>(n);
+    d.ptr_b = arena.take<const Element*>(n);
+    d.ptr_d = arena.take<Element*>(n);
+    d.stride_a = arena.take<typename Cfg::StrideA>(n);
+    d.stride_b = arena.take<typename Cfg::StrideB>(n);
+    d.stride_d = arena.take<typename Cfg::StrideD>(n);
+    return d;
+  }
+};
+
+// Forward: problem i = (batch b, group g) is rows [offsets[g], offsets[g+1]) of lhs times rhs[b, g].
+// An empty group gets M = 0: the tile scheduler gives it no tiles.
+template <typename Cfg, typename Element, bool kTransposeRhs>
+__global__ void build_forward_args(const Element* lhs, const Element* rhs, Element* out,
+                                   const int32_t* offsets, int64_t M, int64_t K, int64_t N, int64_t G,
+                                   int64_t n, DeviceArgs<Cfg, Element> d) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t b = i / G, g = i % G;
+  const int64_t start = offsets[b * (G + 1) + g], rows = offsets[b * (G + 1) + g + 1] - start;
+  const int m = static_cast<int>(rows), k = static_cast<int>(K), nn = static_cast<int>(N);
+  d.shapes[i] = typename Cfg::Shape3(m, nn, k);
+  d.ptr_a[i] = lhs + (b * M + start) * K;
+  d.ptr_b[i] = rhs + (b * G + g) * K * N;
+  d.ptr_d[i] = out + (b * M + start) * N;
+  d.stride_a[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, make_shape(max(m, 1), k, 1));
+  d.stride_b[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, k, 1));
+  d.stride_d[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(max(m, 1), nn, 1));
+}
+
+// Weight grad: problem i is (K x rows_g) @ (rows_g x N) with A = lhs[rows_g]^T (column-major view
+// of the row-major lhs) and B = d_out[rows_g]. Empty groups get M = 0 and are zeroed separately.
+template <typename Cfg, typename Element>
+__global__ void build_weight_grad_args(const Element* lhs, const Element* d_out, Element* dw,
+                                       const int32_t* offsets, int64_t M, int64_t K, int64_t N,
+                                       int64_t G, int64_t n, DeviceArgs<Cfg, Element> d) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t b = i / G, g = i % G;
+  const int64_t start = offsets[b * (G + 1) + g], rows = offsets[b * (G + 1) + g + 1] - start;
+  const int r = static_cast<int>(rows), k = static_cast<int>(K), nn = static_cast<int>(N);
+  d.shapes[i] = typename Cfg::Shape3(r > 0 ? k : 0, nn, max(r, 1));
+  d.ptr_a[i] = lhs + (b * M + start) * K;
+  d.ptr_b[i] = d_out + (b * M + start) * N;
+  d.ptr_d[i] = dw + i * K * N;
+  d.stride_a[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, make_shape(k, max(r, 1), 1));
+  d.stride_b[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, max(r, 1), 1));
+  d.stride_d[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(k, nn, 1));
+}
+
+// Zeroes dw[i] (K*N elements) of every problem i whose group is empty.
+__global__ void zero_empty_groups(char* dw, const int32_t* offsets, int64_t G, int64_t group_bytes) {
+  const int64_t i = blockIdx.y, b = i / G, g = i % G;
+  if (offsets[b * (G + 1) + g + 1] > offsets[b * (G + 1) + g]) return;
+  uint4* base = reinterpret_cast<uint4*>(dw + i * group_bytes);  // group_bytes % 16 == 0
+  const int64_t vectors = group_bytes / 16;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    base[v] = make_uint4(0, 0, 0, 0);
+}
+
+template <typename Cfg, typename Element>
+typename Cfg::Gemm::Arguments make_arguments(const DeviceArgs<Cfg, Element>& d, int64_t n, int device) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count(device);
+  typename Cfg::Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 1.f;
+  fusion.beta = 0.f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  fusion.dAlpha = {_0{}, _0{}, 0};
+  fusion.dBeta = {_0{}, _0{}, 0};
+  args = typename Cfg::Gemm::Arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {static_cast<int>(n), d.shapes, nullptr},  // no host copy of the shapes: they live on the device
+      {d.ptr_a, d.stride_a, d.ptr_b, d.stride_b},
+      {fusion, nullptr, nullptr, d.ptr_d, d.stride_d},
+      hw};
+  return args;
+}
+
+// Scratch for the device arrays of n problems plus CUTLASS's own workspace.
+template <typename Cfg, typename Element>
+size_t scratch_bytes(int64_t n, int device) {
+  ScratchArena sizing;  // base == nullptr: only counts
+  DeviceArgs<Cfg, Element> d = DeviceArgs<Cfg, Element>::carve(sizing, n);
+  auto args = make_arguments<Cfg, Element>(d, n, device);
+  return sizing.used + 256 + Cfg::Gemm::get_workspace_size(args) + 256;
+}
+
+template <typename Cfg, typename Element>
+ffi::Error run_gemm(const DeviceArgs<Cfg, Element>& d, int64_t n, ScratchArena& arena, int device,
+                    cudaStream_t stream, const char* what) {
+  auto args = make_arguments<Cfg, Element>(d, n, device);
+  typename Cfg::Gemm gemm;
+  const size_t workspace_bytes = Cfg::Gemm::get_workspace_size(args);
+  void* workspace = arena.take<char>(workspace_bytes);
+  if (arena.used > arena.size) return ffi::Error::Internal(std::string(what) + ": scratch too small");
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess)
+    return invalid(std::string(what) + ": CUTLASS cannot run this problem: " +
+                   cutlassGetStatusString(status));
+  status = gemm.initialize(args, workspace, stream);
+  if (status != cutlass::Status::kSuccess)
+    return ffi::Error::Internal(std::string(what) + ": CUTLASS initialize failed: " +
+                                cutlassGetStatusString(status));
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess)
+    return ffi::Error::Internal(std::string(what) + ": CUTLASS run failed: " +
+                                cutlassGetStatusString(status));
+  return last_cuda_error(what);
+}
+
+template <typename Element, bool kTransposeRhs>
+ffi::Error forward(const GroupedGemmArgs& a, void* scratch, size_t scratch_size, int device,
+                   cudaStream_t stream) {
+  // rhs[g] is (K, N) row-major = N-contiguous B; transposed (N, K) row-major = K-contiguous B.
+  using LayoutB = std::conditional_t<kTransposeRhs, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using Cfg = Config<Element, cutlass::layout::RowMajor, LayoutB>;
+  const int64_t n = a.batch * a.G;
+  ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
+  auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
+  build_forward_args<Cfg, Element, kTransposeRhs><<<static_cast<unsigned>(ceil_div(n, 128)), 128, 0, stream>>>(
+      static_cast<const Element*>(a.lhs), static_cast<const Element*>(a.rhs), static_cast<Element*>(a.out),
+      a.offsets, a.M, a.K, a.N, a.G, n, d);
+  return run_gemm<Cfg, Element>(d, n, arena, device, stream, "grouped_gemm (sm90)");
+}
+
+template <typename Element>
+ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_size, int device,
+                       cudaStream_t stream) {
+  // A = lhs^T is (K x rows) with K contiguous: column-major; B = d_out rows, N contiguous.
+  using Cfg = Config<Element, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  const int64_t n = a.batch * a.G;
+  ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
+  auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
+  build_weight_grad_args<Cfg, Element><<<static_cast<unsigned>(ceil_div(n, 128)), 128, 0, stream>>>(
+      static_cast<const Element*>(a.lhs), static_cast<const Element*>(a.rhs), static_cast<Element*>(a.out),
+      a.offsets, a.M, a.K, a.N, a.G, n, d);
+  const int64_t group_bytes = a.K * a.N * static_cast<int64_t>(sizeof(Element));
+  dim3 grid(static_cast<unsigned>(std::min<int64_t>(64, ceil_div(group_bytes, 16 * 256 * 4))),
+            static_cast<unsigned>(n));
+  zero_empty_groups<<<grid, 256, 0, stream>>>(static_cast<char*>(a.out), a.offsets, a.G, group_bytes);
+  return run_gemm<Cfg, Element>(d, n, arena, device, stream, "grouped_gemm_weight_grad (sm90)");
+}
+
+}  // namespace turbo_moe::sm90
+
+// Declares/defines the extern entry points of one element type (one .cu file per type, so the
+// heavy template instantiations compile in parallel).
+#define TURBO_MOE_SM90_INSTANCE(SUFFIX, ELEMENT)                                                   \
+  namespace turbo_moe::sm90 {                                                                      \
+  ffi::Error forward_##SUFFIX(const GroupedGemmArgs& a, void* s, size_t sb, int dev, cudaStream_t st) { \
+    return a.transpose_rhs ? forward<ELEMENT, true>(a, s, sb, dev, st)                             \
+                           : forward<ELEMENT, false>(a, s, sb, dev, st);                           \
+  }                                                                                                \
+  ffi::Error weight_grad_##SUFFIX(const GroupedGemmArgs& a, void* s, size_t sb, int dev, cudaStream_t st) { \
+    return weight_grad<ELEMENT>(a, s, sb, dev, st);                                                \
+  }                                                                                                \
+  size_t scratch_bytes_##SUFFIX(int64_t n, int dev) {                                              \
+    using Fwd = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;             \
+    using FwdT = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;         \
+    using Wgrad = Config<ELEMENT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;        \
+    return std::max({scratch_bytes<Fwd, ELEMENT>(n, dev), scratch_bytes<FwdT, ELEMENT>(n, dev),    \
+                     scratch_bytes<Wgrad, ELEMENT>(n, dev)});                                      \
+  }                                                                                                \
+  }

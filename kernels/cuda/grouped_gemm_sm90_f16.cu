@@ -1,0 +1,3 @@
+// float16 instances of the Hopper grouped GEMM (compiled for sm_90a only).
+#include "grouped_gemm_sm90.cuh"
+TURBO_MOE_SM90_INSTANCE(f16, cutlass::half_t)

@@ -1,0 +1,173 @@
+// CUDA FFI handler of the single-device MoE dispatch (contract of kernels/cpu/permute.cc):
+//   turbo_moe_permute: x (T, H), expert_ids (T, k) -> x_sorted (T*k, H), group_sizes (E,), row_index (T, k)
+// Token copies are stably sorted by expert in flat slot order s = t*k + j; a copy whose expert id
+// is outside [0, E) is dropped (row_index = -1) and the rows past sum(group_sizes) are zero.
+// Counting sort on the device, deterministic, no atomics on global memory, no host sync:
+//   1. per chunk of kChunk slots, count each bucket (E experts + 1 "dropped" bucket);
+//   2. one exclusive scan over the bucket-major (bucket, chunk) counts = each chunk's first row
+//      per bucket; group sizes are differences of that scan;
+//   3. per chunk, one warp ranks its slots in order (warp match) -> row_index;
+//   4. one warp per slot copies the token's row; rows past the valid total are zero-filled.
+#include "block_scan.cuh"
+#include "common.cuh"
+#include "row_copy.cuh"
+
+namespace turbo_moe {
+namespace {
+
+constexpr int kChunk = 2048;  // slots per chunk (steps 1 and 3)
+
+__device__ __forceinline__ int64_t ceil_div_device(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ int bucket_of(int32_t id, int64_t E) {
+  return (id >= 0 && id < E) ? id : static_cast<int>(E);
+}
+
+// counts[b][bucket * chunks + c] = slots of chunk c in bucket (bucket-major for step 2).
+__global__ void count_chunks_kernel(const int32_t* ids, int64_t slots, int64_t E, int64_t chunks,
+                                    int32_t* counts) {
+  extern __shared__ int32_t hist[];  // E + 1
+  const int64_t b = blockIdx.y, c = blockIdx.x;
+  for (int64_t e = threadIdx.x; e <= E; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  const int32_t* chunk_ids = ids + b * slots + c * kChunk;
+  const int64_t n = min64(kChunk, slots - c * kChunk);
+  for (int64_t s = threadIdx.x; s < n; s += blockDim.x) atomicAdd(&hist[bucket_of(chunk_ids[s], E)], 1);
+  __syncthreads();
+  int32_t* out = counts + b * ((E + 1) * chunks + 1);
+  for (int64_t e = threadIdx.x; e <= E; e += blockDim.x) out[e * chunks + c] = hist[e];
+}
+
+// In-place exclusive scan of each batch's (E+1)*chunks counts; element [len] gets the total.
+// Each thread sums a contiguous segment, the block scans the segment sums, then each thread
+// rewrites its segment. Also writes group_sizes[e] = first row of bucket e+1 - first row of e.
+__global__ void scan_counts_kernel(int32_t* counts, int64_t E, int64_t chunks, int32_t* group_sizes) {
+  __shared__ long long warp_sums[32];
+  const int64_t b = blockIdx.x, len = (E + 1) * chunks;
+  int32_t* v = counts + b * (len + 1);
+  const int64_t seg = ceil_div_device(len, blockDim.x);
+  const int64_t lo = min64(len, threadIdx.x * seg), hi = min64(len, lo + seg);
+  long long sum = 0;
+  for (int64_t i = lo; i < hi; ++i) sum += v[i];
+  long long total;
+  long long run = block_inclusive_scan(sum, warp_sums, &total) - sum;
+  for (int64_t i = lo; i < hi; ++i) {
+    const int32_t x = v[i];
+    v[i] = static_cast<int32_t>(run);
+    run += x;
+  }
+  if (threadIdx.x == 0) v[len] = static_cast<int32_t>(total);
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x)
+    group_sizes[b * E + e] = v[(e + 1) * chunks] - v[e * chunks];
+}
+
+// One warp per chunk ranks the chunk's slots in order: row = first row of (bucket, chunk) +
+// number of earlier slots of the chunk in the same bucket.
+__global__ void rank_slots_kernel(const int32_t* ids, int64_t slots, int64_t E, int64_t chunks,
+                                  const int32_t* scanned, int32_t* row_index) {
+  extern __shared__ int32_t smem[];
+  int32_t* next_row = smem;               // E + 1
+  int32_t* chunk_ids = smem + E + 1;      // kChunk
+  const int64_t b = blockIdx.y, c = blockIdx.x;
+  const int lane = threadIdx.x;
+  const int32_t* base = scanned + b * ((E + 1) * chunks + 1);
+  for (int64_t e = lane; e <= E; e += 32) next_row[e] = base[e * chunks + c];
+  const int64_t n = min64(kChunk, slots - c * kChunk);
+  const int32_t* src = ids + b * slots + c * kChunk;
+  for (int64_t s = lane; s < n; s += 32) chunk_ids[s] = src[s];
+  __syncwarp();
+  int32_t* dst = row_index + b * slots + c * kChunk;
+  const unsigned lower = (1u << lane) - 1u;
+  for (int64_t s0 = 0; s0 < n; s0 += 32) {
+    const int64_t s = s0 + lane;
+    const int bucket = s < n ? bucket_of(chunk_ids[s], E) : -1;  // -1: lane past the chunk
+    const unsigned peers = __match_any_sync(0xffffffffu, bucket);
+    const int row = bucket >= 0 ? next_row[bucket] + __popc(peers & lower) : 0;
+    __syncwarp();
+    if (bucket >= 0 && lane == 31 - __clz(peers)) next_row[bucket] += __popc(peers);
+    __syncwarp();
+    if (s < n) dst[s] = bucket < E ? row : -1;
+  }
+}
+
+// One warp per slot: x_sorted[row_index[s]] = x[s / k] in vectors of V.
+template <typename V>
+__global__ void gather_rows_kernel(const char* x, const int32_t* row_index, char* x_sorted, int64_t T,
+                                   int64_t k, int64_t row_bytes, int64_t total_slots) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (warp >= total_slots) return;
+  const int64_t slots = T * k, b = warp / slots, s = warp % slots;
+  const int32_t r = row_index[warp];
+  if (r < 0) return;
+  const V* src = reinterpret_cast<const V*>(x + (b * T + s / k) * row_bytes);
+  V* dst = reinterpret_cast<V*>(x_sorted + (b * slots + r) * row_bytes);
+  const int64_t n = row_bytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t i = lane; i < n; i += 32) dst[i] = src[i];
+}
+
+ffi::Error PermuteImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                       ffi::Buffer<ffi::S32> expert_ids, ffi::Result<ffi::AnyBuffer> x_sorted,
+                       ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                       ffi::Result<ffi::Buffer<ffi::S32>> row_index, int64_t num_experts) {
+  if (!is_float_type(x.element_type()) || x_sorted->element_type() != x.element_type())
+    return invalid("permute: x must be float32/bfloat16/float16 and x_sorted the same dtype");
+  auto xd = x.dimensions(), id = expert_ids.dimensions();
+  if (xd.size() < 2 || id.size() != xd.size())
+    return invalid("permute: expected x [..., T, H] and expert_ids [..., T, k]");
+  const int64_t rank = xd.size();
+  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = id[rank - 1], E = num_experts;
+  if (id[rank - 2] != T) return invalid("permute: expert_ids must have T rows like x");
+  if (E <= 0) return invalid("permute: num_experts must be positive");
+  if (E > 8192) return invalid("permute: num_experts must be <= 8192 on CUDA");
+  const int64_t batch = leading_product(xd, 2), slots = T * k;
+  if (slots >= (int64_t{1} << 31)) return invalid("permute: T * k must be < 2^31");
+  if (batch == 0) return ffi::Error::Success();
+  if (slots == 0) {  // nothing routed: every group is empty
+    cudaMemsetAsync(group_sizes->typed_data(), 0, batch * E * sizeof(int32_t), stream);
+    return last_cuda_error("permute");
+  }
+  const int64_t row_bytes = H * byte_width(x.element_type());
+  const int64_t chunks = ceil_div(slots, kChunk), table = (E + 1) * chunks + 1;
+  auto mem = scratch.Allocate(batch * table * sizeof(int32_t), 256);
+  if (!mem.has_value()) return ffi::Error::Internal("permute: scratch allocation failed");
+  int32_t* counts = static_cast<int32_t*>(*mem);
+  const int32_t* ids = expert_ids.typed_data();
+  int32_t* rows = row_index->typed_data();
+
+  const dim3 chunk_grid(static_cast<unsigned>(chunks), static_cast<unsigned>(batch));
+  count_chunks_kernel<<<chunk_grid, 256, (E + 1) * sizeof(int32_t), stream>>>(ids, slots, E, chunks, counts);
+  scan_counts_kernel<<<static_cast<unsigned>(batch), 1024, 0, stream>>>(counts, E, chunks,
+                                                                        group_sizes->typed_data());
+  rank_slots_kernel<<<chunk_grid, 32, (E + 1 + kChunk) * sizeof(int32_t), stream>>>(ids, slots, E, chunks,
+                                                                                    counts, rows);
+  if (row_bytes > 0) {
+    const char* x_p = static_cast<const char*>(x.untyped_data());
+    char* xs_p = static_cast<char*>(x_sorted->untyped_data());
+    const int vb = vector_bytes(row_bytes, {x_p, xs_p});
+    const int64_t total_slots = batch * slots;
+    const unsigned blocks = static_cast<unsigned>(ceil_div(total_slots, 8));
+    dispatch_vector(vb, [&](auto tag) {
+      gather_rows_kernel<decltype(tag)><<<blocks, 256, 0, stream>>>(x_p, rows, xs_p, T, k, row_bytes, total_slots);
+    });
+    // Rows past the valid total (dropped copies) are zero; the total sits at counts[E * chunks].
+    launch_zero_tail_rows(xs_p, batch, slots, row_bytes, counts + E * chunks, table, stream);
+  }
+  return last_cuda_error("permute");
+}
+
+}  // namespace
+}  // namespace turbo_moe
+
+// Not marked command-buffer compatible: it takes XLA scratch memory, which is per call.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., T, k]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
+                                  .Attr<int64_t>("num_experts"));

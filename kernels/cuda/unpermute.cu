@@ -1,0 +1,203 @@
+// CUDA FFI handlers of the single-device MoE combine and its backward (contract of
+// kernels/cpu/unpermute.cc):
+//   turbo_moe_unpermute:     y (R, H), row_index (T, k), weights (T, k) -> out (T, H)
+//                            out[t] = sum_j weights[t, j] * y[row_index[t, j]]   (float32 accumulation)
+//   turbo_moe_unpermute_bwd: d_out (T, H), y, row_index, weights -> d_y (R, H), d_weights (T, k)
+//                            d_y[row_index[t, j]] = weights[t, j] * d_out[t]; unreferenced rows are 0
+//                            d_weights[t, j] = <d_out[t], y[row_index[t, j]]>
+// Entries of row_index outside [0, R) contribute nothing. row_index must not repeat a row
+// (permute never does), so each d_y row has one writer. One block per token; rows move in
+// vectors of up to 16 bytes. No scratch memory: both are safe for XLA command buffers.
+#include "common.cuh"
+
+namespace turbo_moe {
+namespace {
+
+constexpr int kThreads = 128;
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) unpermute_kernel(const T* __restrict__ y,
+                                                              const int32_t* __restrict__ row_index,
+                                                              const float* __restrict__ weights,
+                                                              T* __restrict__ out, int64_t R, int64_t H,
+                                                              int64_t T_, int64_t k) {
+  const int64_t bt = blockIdx.x, b = bt / T_;
+  const int32_t* rows = row_index + bt * k;
+  const float* w = weights + bt * k;
+  const int64_t packs = H / V;
+  for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
+    float acc[V] = {};
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t r = rows[j];
+      if (r < 0 || r >= R) continue;
+      const Pack<T, V> src = reinterpret_cast<const Pack<T, V>*>(y + (b * R + r) * H)[p];
+      const float wt = w[j];
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] = fmaf(wt, to_f32(src.v[i]), acc[i]);
+    }
+    Pack<T, V> dst;
+#pragma unroll
+    for (int i = 0; i < V; ++i) dst.v[i] = from_f32<T>(acc[i]);
+    reinterpret_cast<Pack<T, V>*>(out + bt * H)[p] = dst;
+  }
+}
+
+__device__ float block_sum(float v, float* warp_sums) {
+  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < kThreads / 32; ++i) total += warp_sums[i];  // fixed order: deterministic
+  __syncthreads();
+  return total;
+}
+
+template <typename TY, typename TG, int V>
+__global__ void __launch_bounds__(kThreads) unpermute_bwd_kernel(
+    const TG* __restrict__ d_out, const TY* __restrict__ y, const int32_t* __restrict__ row_index,
+    const float* __restrict__ weights, TY* __restrict__ d_y, float* __restrict__ d_weights, int64_t R,
+    int64_t H, int64_t T_, int64_t k) {
+  __shared__ float warp_sums[kThreads / 32];
+  const int64_t bt = blockIdx.x, b = bt / T_;
+  const TG* g = d_out + bt * H;
+  const int64_t packs = H / V;
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t r = row_index[bt * k + j];
+    if (r < 0 || r >= R) {  // uniform across the block
+      if (threadIdx.x == 0) d_weights[bt * k + j] = 0.f;
+      continue;
+    }
+    const float wt = weights[bt * k + j];
+    const TY* yr = y + (b * R + r) * H;
+    TY* dyr = d_y + (b * R + r) * H;
+    float dot = 0.f;
+    for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
+      const Pack<TG, V> gv = reinterpret_cast<const Pack<TG, V>*>(g)[p];
+      const Pack<TY, V> yv = reinterpret_cast<const Pack<TY, V>*>(yr)[p];
+      Pack<TY, V> out;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float gf = to_f32(gv.v[i]);
+        dot = fmaf(gf, to_f32(yv.v[i]), dot);
+        out.v[i] = from_f32<TY>(wt * gf);
+      }
+      reinterpret_cast<Pack<TY, V>*>(dyr)[p] = out;
+    }
+    dot = block_sum(dot, warp_sums);
+    if (threadIdx.x == 0) d_weights[bt * k + j] = dot;
+  }
+}
+
+// 16-byte packs when H and every base pointer allow it, else one element at a time.
+template <typename T>
+bool can_pack(int64_t H, std::initializer_list<const void*> ptrs) {
+  constexpr int V = 16 / sizeof(T);
+  bool ok = H % V == 0;
+  for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  return ok;
+}
+
+ffi::Error check(const char* op, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_index,
+                 ffi::Buffer<ffi::F32> weights, int64_t* batch, int64_t* R, int64_t* H, int64_t* T,
+                 int64_t* k) {
+  auto yd = y.dimensions(), rd = row_index.dimensions(), wd = weights.dimensions();
+  if (yd.size() < 2 || rd.size() != yd.size() || wd.size() != yd.size())
+    return invalid(std::string(op) + ": expected y [..., R, H], row_index [..., T, k], weights [..., T, k]");
+  const int64_t rank = yd.size();
+  *R = yd[rank - 2];
+  *H = yd[rank - 1];
+  *T = rd[rank - 2];
+  *k = rd[rank - 1];
+  if (wd[rank - 2] != *T || wd[rank - 1] != *k)
+    return invalid(std::string(op) + ": weights must have the shape of row_index");
+  *batch = leading_product(yd, 2);
+  if (*batch * *T >= (int64_t{1} << 31)) return invalid(std::string(op) + ": batch * T must be < 2^31");
+  return ffi::Error::Success();
+}
+
+ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_index,
+                         ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> out) {
+  if (!is_float_type(y.element_type()) || out->element_type() != y.element_type())
+    return invalid("unpermute: y must be float32/bfloat16/float16 and out the same dtype");
+  int64_t batch, R, H, T, k;
+  if (auto err = check("unpermute", y, row_index, weights, &batch, &R, &H, &T, &k); err.failure()) return err;
+  if (batch * T == 0 || H == 0) return ffi::Error::Success();
+  dispatch_float(y.element_type(), [&](auto tag) {
+    using E = decltype(tag);
+    const E* y_p = static_cast<const E*>(y.untyped_data());
+    E* out_p = static_cast<E*>(out->untyped_data());
+    const unsigned blocks = static_cast<unsigned>(batch * T);
+    if (can_pack<E>(H, {y_p, out_p}))
+      unpermute_kernel<E, 16 / sizeof(E)><<<blocks, kThreads, 0, stream>>>(
+          y_p, row_index.typed_data(), weights.typed_data(), out_p, R, H, T, k);
+    else
+      unpermute_kernel<E, 1><<<blocks, kThreads, 0, stream>>>(y_p, row_index.typed_data(),
+                                                               weights.typed_data(), out_p, R, H, T, k);
+  });
+  return last_cuda_error("unpermute");
+}
+
+ffi::Error UnpermuteBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyBuffer y,
+                            ffi::Buffer<ffi::S32> row_index, ffi::Buffer<ffi::F32> weights,
+                            ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights) {
+  if (!is_float_type(y.element_type()) || d_y->element_type() != y.element_type() ||
+      !is_float_type(d_out.element_type()))
+    return invalid("unpermute_bwd: y/d_y and d_out must be float32/bfloat16/float16");
+  int64_t batch, R, H, T, k;
+  if (auto err = check("unpermute_bwd", y, row_index, weights, &batch, &R, &H, &T, &k); err.failure())
+    return err;
+  // Rows that no token references get no writer below: zero them first.
+  cudaMemsetAsync(d_y->untyped_data(), 0, batch * R * H * byte_width(y.element_type()), stream);
+  if (batch * T == 0 || k == 0) return last_cuda_error("unpermute_bwd");
+  if (H == 0) {
+    cudaMemsetAsync(d_weights->typed_data(), 0, batch * T * k * sizeof(float), stream);
+    return last_cuda_error("unpermute_bwd");
+  }
+  dispatch_float(y.element_type(), [&](auto y_tag) {
+    using TY = decltype(y_tag);
+    dispatch_float(d_out.element_type(), [&](auto g_tag) {
+      using TG = decltype(g_tag);
+      const TG* g_p = static_cast<const TG*>(d_out.untyped_data());
+      const TY* y_p = static_cast<const TY*>(y.untyped_data());
+      TY* dy_p = static_cast<TY*>(d_y->untyped_data());
+      const unsigned blocks = static_cast<unsigned>(batch * T);
+      constexpr int V = 16 / (sizeof(TY) > sizeof(TG) ? sizeof(TY) : sizeof(TG));
+      if (can_pack<TY>(H, {y_p, dy_p}) && can_pack<TG>(H, {g_p}) && H % V == 0)
+        unpermute_bwd_kernel<TY, TG, V><<<blocks, kThreads, 0, stream>>>(
+            g_p, y_p, row_index.typed_data(), weights.typed_data(), dy_p, d_weights->typed_data(), R, H, T, k);
+      else
+        unpermute_bwd_kernel<TY, TG, 1><<<blocks, kThreads, 0, stream>>>(
+            g_p, y_p, row_index.typed_data(), weights.typed_data(), dy_p, d_weights->typed_data(), R, H, T, k);
+    });
+  });
+  return last_cuda_error("unpermute_bwd");
+}
+
+}  // namespace
+}  // namespace turbo_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_unpermute, turbo_moe::UnpermuteImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // y [..., R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
+                                  .Ret<xla::ffi::AnyBuffer>(),                // out [..., T, H]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_unpermute_bwd, turbo_moe::UnpermuteBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // d_out [..., T, H]
+                                  .Arg<xla::ffi::AnyBuffer>()                 // y [..., R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // d_y [..., R, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),    // d_weights [..., T, k]
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,22 @@
+"""Shared helpers for the model tests: whether the turbo ops load, and a tiny-config factory."""
+
+import pytest
+
+from turbo_moe.model import get_config
+
+try:
+    import turbo_moe.ops  # noqa: F401
+
+    TURBO_IMPORT_ERROR = None
+except Exception as err:  # the FFI library may not be built yet
+    TURBO_IMPORT_ERROR = f"{type(err).__name__}: {err}"
+
+requires_turbo = pytest.mark.skipif(
+    TURBO_IMPORT_ERROR is not None, reason=f"turbo_moe.ops cannot be imported ({TURBO_IMPORT_ERROR})")
+
+ALL_PATHS = ["dense_cf", "ragged", pytest.param("turbo", marks=requires_turbo)]
+
+
+def micro_config(**overrides):
+    """tiny with one dense + one MoE layer + an MoE MTP block: the cheapest model that has every part."""
+    return get_config("tiny", n_layers=2, max_seq_len=16, **overrides)

@@ -1,0 +1,70 @@
+"""ModelConfig: presets, dict/YAML round trips, MaxText aliases, and errors that name the field."""
+
+import pytest
+
+from turbo_moe.model import PRESET_NAMES, ModelConfig, get_config
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_presets_validate_and_round_trip(name):
+    cfg = get_config(name)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.replace(moe_path="dense_cf").moe_path == "dense_cf"
+
+
+def test_671b_preset_is_the_public_architecture():
+    c = get_config("deepseek_v3_671b")
+    assert (c.vocab_size, c.d_model, c.n_layers, c.n_dense_layers, c.dense_ffn_dim) == (129280, 7168, 61, 3, 18432)
+    assert (c.n_experts, c.moe_ffn_dim, c.n_shared_experts, c.top_k) == (256, 2048, 1, 8)
+    assert (c.n_groups, c.topk_groups, c.routed_scaling_factor, c.n_heads) == (8, 4, 2.5, 128)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (
+        1536, 512, 128, 64, 128)
+    assert c.mtp_depth == 1
+
+
+def test_maxtext_aliases_and_overrides():
+    cfg = get_config("tiny", num_experts=16, num_experts_per_tok=4, emb_dim=32, moe_path="turbo")
+    assert (cfg.n_experts, cfg.top_k, cfg.d_model, cfg.moe_path) == (16, 4, 32, "turbo")
+    assert cfg.replace(num_experts=4, top_k=2).n_experts == 4
+
+
+def test_from_yaml_text_and_file(tmp_path):
+    text = "preset: tiny\nnum_experts: 16\ncapacity_factor: '2.0'\nmoe_path: dense_cf\n"
+    cfg = ModelConfig.from_yaml(text)
+    assert (cfg.n_experts, cfg.capacity_factor, cfg.moe_path) == (16, 2.0, "dense_cf")
+    path = tmp_path / "model.yaml"
+    path.write_text("vocab_size: 100\nd_model: 32\n")
+    assert ModelConfig.from_yaml(str(path)).vocab_size == 100
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(top_k=9), "top_k"),  # k > experts
+        (dict(n_groups=3), "n_groups"),  # groups do not divide experts
+        (dict(topk_groups=5), "topk_groups"),
+        (dict(top_k=5, topk_groups=2), "top_k"),  # more than the selected groups hold
+        (dict(moe_path="megablox"), "moe_path"),
+        (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),  # RoPE needs pairs
+        (dict(n_dense_layers=4), "n_dense_layers"),
+        (dict(d_model=0), "d_model"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(remat_policy="everything"), "remat_policy"),
+        (dict(capacity_factor=float("nan")), "capacity_factor"),
+        (dict(router_bias_rate=-1.0), "router_bias_rate"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        get_config("tiny", **overrides)
+
+
+def test_unknown_field_and_wrong_type():
+    with pytest.raises(ValueError, match="n_expertz"):
+        ModelConfig.from_dict({"n_expertz": 4})
+    with pytest.raises(TypeError, match="n_experts"):
+        get_config("tiny", n_experts="many")
+    with pytest.raises(TypeError, match="top_k"):
+        get_config("tiny", top_k=2.5)
+    with pytest.raises(ValueError, match="preset"):
+        get_config("deepseek_v4")

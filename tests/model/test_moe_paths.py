@@ -1,0 +1,119 @@
+"""The three MoE paths: same outputs and gradients when nothing drops; MaxText dropping for dense_cf."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ALL_PATHS
+from turbo_moe.model import ExpertWeights, get_config, moe_path_fn
+from turbo_moe.model.moe_dense_cf import dense_cf_experts, expert_capacity
+from turbo_moe.model.router import Routing, route
+
+TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=5e-2, atol=3e-2)}
+
+
+def reference_experts(x, routing, weights):
+    """y[t] = sum_j w[t, j] * SwiGLU_{e[t, j]}(x[t]), gathering each copy's expert weights (float32)."""
+    b, s, d = x.shape
+    f = weights.w_down.shape[1]
+    xt = x.reshape(b * s, d).astype(jnp.float32)
+    ids = routing.expert_ids.reshape(b * s, -1)
+    w_gu = weights.w_gate_up.astype(jnp.float32)[ids]  # (T, k, D, 2F)
+    w_down = weights.w_down.astype(jnp.float32)[ids]  # (T, k, F, D)
+    h = jnp.einsum("td,tkdf->tkf", xt, w_gu)
+    act = jax.nn.silu(h[..., :f]) * h[..., f:]
+    out = jnp.einsum("tkf,tkfd->tkd", act, w_down)
+    y = jnp.einsum("tkd,tk->td", out, routing.weights.reshape(b * s, -1))
+    return y.reshape(b, s, d)
+
+
+def make_case(seed=0, b=2, s=16, d=32, f=16, e=8, k=2):
+    cfg = get_config("tiny", n_experts=e, top_k=k, n_groups=4, topk_groups=2, routed_scaling_factor=1.5)
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (b, s, d))
+    routing = route(jax.nn.sigmoid(jax.random.normal(keys[1], (b, s, e))), jnp.zeros(e), cfg)
+    weights = ExpertWeights(jax.random.normal(keys[2], (e, d, 2 * f)) * 0.2,
+                            jax.random.normal(keys[3], (e, f, d)) * 0.2)
+    cotangent = jax.random.normal(keys[4], (b, s, d))
+    return x, routing, weights, cotangent
+
+
+def path_loss_and_grads(fn, x, routing, weights, cotangent, dtype):
+    """Scalar <fn(x), cotangent> and its gradients wrt x, routing weights and both expert weights."""
+
+    def loss(x, route_weights, weights):
+        y, _ = fn(x.astype(dtype), routing._replace(weights=route_weights), weights)
+        return jnp.sum(y.astype(jnp.float32) * cotangent)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, routing.weights, weights)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("path", ALL_PATHS)
+def test_paths_match_reference_outputs_and_grads(path, dtype):
+    x, routing, weights, cotangent = make_case()
+    capacity_factor = float(weights.n_experts)  # capacity >= seq_len: nothing can drop
+    fn = moe_path_fn(path, capacity_factor)
+    y, stats = jax.jit(fn)(x.astype(dtype), routing, weights)
+    assert y.dtype == dtype and y.shape == x.shape
+    np.testing.assert_allclose(np.asarray(y, np.float32), reference_experts(x.astype(dtype), routing, weights),
+                               **TOLERANCE[dtype])
+    np.testing.assert_array_equal(stats.expert_load, np.bincount(np.asarray(routing.expert_ids).ravel(), minlength=8))
+    assert float(stats.dropped_fraction) == 0.0
+
+    got = path_loss_and_grads(fn, x, routing, weights, cotangent, dtype)
+    want = path_loss_and_grads(reference_experts, x, routing, weights, cotangent, dtype)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        scale = float(jnp.max(jnp.abs(w))) or 1.0
+        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, **TOLERANCE[dtype])
+
+
+def test_dense_cf_without_capacity_computes_every_expert():
+    x, routing, weights, _ = make_case(seed=1)
+    y, stats = jax.jit(functools.partial(dense_cf_experts, capacity_factor=0.0))(x, routing, weights)
+    np.testing.assert_allclose(y, reference_experts(x, routing, weights), rtol=1e-5, atol=1e-5)
+    assert float(stats.dropped_fraction) == 0.0
+
+
+@pytest.mark.parametrize("seq_len, k, n_experts, cf, expected", [
+    (4, 2, 4, 0.5, 1), (4, 2, 4, 1.0, 2), (128, 2, 16, 1.25, 20), (10, 3, 8, 1.0, 4), (2, 1, 8, 1.5, 1),
+    (2048, 8, 256, 1.0, 64)])
+def test_expert_capacity_follows_maxtext(seq_len, k, n_experts, cf, expected):
+    assert expert_capacity(seq_len, k, n_experts, cf) == expected
+
+
+# Hand-made routing for one sequence of 4 tokens, k=2, E=4. Copies claim slots in (token, choice) order:
+#   t0 -> e0, e1 | t1 -> e1, e2 | t2 -> e1, e0 | t3 -> e3, e2
+HAND_IDS = [[0, 1], [1, 2], [1, 0], [3, 2]]
+# capacity 1: e0 keeps t0; e1 keeps t0 (drops t1, t2); e2 keeps t1 (drops t3); e3 keeps t3; t2's e0 copy drops.
+KEPT_CAPACITY_1 = [[1, 1], [0, 1], [0, 0], [1, 0]]
+# capacity 2: only e1's third claimant (t2, choice 0) drops.
+KEPT_CAPACITY_2 = [[1, 1], [1, 1], [0, 1], [1, 1]]
+
+
+@pytest.mark.parametrize("cf, kept", [(0.5, KEPT_CAPACITY_1), (1.0, KEPT_CAPACITY_2)])
+def test_dense_cf_drops_exactly_the_maxtext_overflow(cf, kept):
+    d, f, e = 8, 4, 4
+    keys = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(keys[0], (1, 4, d))
+    ids = jnp.array([HAND_IDS], jnp.int32)  # (1, 4, 2)
+    route_weights = jax.random.uniform(keys[1], (1, 4, 2), minval=0.2, maxval=1.0)
+    routing = Routing(ids, route_weights, jnp.zeros((1, 4, e)))
+    weights = ExpertWeights(jax.random.normal(keys[2], (e, d, 2 * f)), jax.random.normal(keys[3], (e, f, d)))
+
+    fn = functools.partial(dense_cf_experts, capacity_factor=cf)
+    y, stats = jax.jit(fn)(x, routing, weights)
+    kept = jnp.array([kept], jnp.float32)
+    want = reference_experts(x, routing._replace(weights=route_weights * kept), weights)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stats.dropped_fraction, 1.0 - kept.mean(), rtol=1e-6)
+    np.testing.assert_array_equal(stats.expert_load, [2, 3, 2, 1])  # load counts routed copies, dropped or not
+
+    # A token whose copies all dropped gets no gradient through the routed experts.
+    grad_x = jax.grad(lambda x: jnp.sum(fn(x, routing, weights)[0]))(x)
+    fully_dropped = np.asarray(kept[0].sum(-1) == 0)
+    assert np.all(np.asarray(grad_x[0])[fully_dropped] == 0.0)
+    assert np.all(np.abs(np.asarray(grad_x[0])[~fully_dropped]).sum(-1) > 0.0)

@@ -1,0 +1,72 @@
+"""The report rebuilt from the committed fixture results tree (tests/sweep/fixtures/results)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from turbo_moe import cli  # noqa: E402
+from turbo_moe.experiments import report  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "fixtures" / "results"
+EXPECTED = ["tgs_vs_batch", "peak_memory", "loss_curves", "dropped_fraction", "synthetic_vs_real",
+            "expert_load_cpu_loss", "kernel_tflops_h100"]
+
+
+def test_report_draws_every_figure_from_fixture(tmp_path):
+    summary = report.build_report(FIXTURE, tmp_path)
+    for name in EXPECTED:
+        assert summary.entries[name] == str(tmp_path / f"{name}.png")
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+    table = (tmp_path / "results.md").read_text()
+    assert table.count("\n") == 2 + 4 + 16 + 6  # header, separator, then one line per point
+    assert "| paths_x_batch | dense_cf (cf=2) | 8 |  |  | oom |" in table
+    assert json.loads((tmp_path / "report.json").read_text()) == summary.entries
+
+
+def test_report_data_picks_comparison_sweeps_only():
+    data = report.load_report_data(FIXTURE)
+    assert report.comparison_sweeps(data.results) == ["cpu_loss"]
+    assert set(data.histories["label"]) == {"dense_cf (cf=1)", "dense_cf (cf=2)", "ragged", "turbo"}
+    assert data.loads["cpu_loss"]["turbo"].shape == (2, 8)
+
+
+def test_missing_tables_skip_figures_with_a_note(tmp_path, capsys):
+    results = tmp_path / "results"
+    shutil.copytree(FIXTURE, results, ignore=shutil.ignore_patterns("kernels_*", "paths_x_batch.csv"))
+    summary = report.build_report(results, tmp_path / "figures")
+    assert summary.entries["kernel_tflops"].startswith("skipped: no experiments/results/kernels_")
+    assert summary.entries["tgs_vs_batch"].startswith("skipped: no sweep varies per_device_batch")
+    assert (tmp_path / "figures" / "loss_curves.png").exists()
+    assert "skipped kernel_tflops" in capsys.readouterr().out
+
+
+def test_empty_results_dir_gives_notes_not_errors(tmp_path):
+    summary = report.build_report(tmp_path / "nothing_here", tmp_path / "figures")
+    skipped = [k for k, v in summary.entries.items() if v.startswith("skipped")]
+    assert len(skipped) == 7
+    assert "_no results yet_" in (tmp_path / "figures" / "results.md").read_text()
+
+
+def test_cli_report_in_process(tmp_path, capsys):
+    shutil.copytree(FIXTURE, tmp_path / "results")
+    assert cli.main(["report", "--experiments-dir", str(tmp_path), "--no-notebook"]) == 0
+    out = capsys.readouterr().out
+    assert f"loss_curves: {tmp_path / 'figures' / 'loss_curves.png'}" in out
+
+
+def test_cli_report_missing_notebook_is_clear(tmp_path, capsys):
+    assert cli.main(["report", "--experiments-dir", str(tmp_path), "--notebook", "nope.ipynb"]) == 2
+    assert "report notebook 'nope.ipynb' does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("label_args, label", [(("dense_cf", 1.25), "dense_cf (cf=1.25)"),
+                                               (("ragged", 1.25), "ragged"), (("dense_cf", None), "dense_cf")])
+def test_path_label(label_args, label):
+    from turbo_moe.experiments.figures import path_label
+
+    assert path_label(*label_args) == label

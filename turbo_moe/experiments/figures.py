@@ -1,0 +1,217 @@
+"""Report figures. Each function takes report data and returns a Figure, or None when its data is absent.
+
+Every figure carries units on its axes and a provenance footer (device, date, commit) built from the
+rows that fed it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+GIB = 1024**3
+TGS_LABEL = "TGS (tokens / device / s)"
+
+
+def path_label(moe_path: object, capacity_factor: object = None) -> str:
+    """``dense_cf (cf=1.25)`` for the capacity-factor path, the path name otherwise."""
+    if moe_path == "dense_cf" and capacity_factor is not None and not pd.isna(capacity_factor):
+        return f"dense_cf (cf={float(capacity_factor):g})"
+    return str(moe_path)
+
+
+def with_path_labels(frame: pd.DataFrame) -> pd.DataFrame:
+    """Copy of ``frame`` with a ``path`` column (rows without ``moe_path`` dropped)."""
+    if frame.empty or "moe_path" not in frame:
+        return frame.iloc[0:0].assign(path=[])
+    frame = frame[frame["moe_path"].notna()].copy()
+    cf = frame["capacity_factor"] if "capacity_factor" in frame else pd.Series(None, index=frame.index)
+    frame["path"] = [path_label(p, c) for p, c in zip(frame["moe_path"], cf)]
+    return frame
+
+
+def _unique(values: Iterable[object]) -> str:
+    seen = sorted({str(v) for v in values if v is not None and not pd.isna(v) and str(v) != ""})
+    return ", ".join(seen) if seen else "unknown"
+
+
+def add_provenance(fig: plt.Figure, rows: pd.DataFrame) -> plt.Figure:
+    """Footer: devices, run dates, commits of the rows drawn, and when the figure was made."""
+    def col(name: str) -> str:
+        return _unique(rows[name]) if name in rows else "unknown"
+
+    dates = col("date")
+    if dates != "unknown":
+        days = sorted({d[:10] for d in dates.split(", ")})
+        dates = days[0] if len(days) == 1 else f"{days[0]} .. {days[-1]}"
+    made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    text = f"device: {col('device_kind')} | run date: {dates} | commit: {col('git_commit')} | drawn {made}"
+    # Reserve a strip at the bottom so the footer never overlaps rotated tick labels.
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
+    fig.text(0.01, 0.05 / fig.get_figheight(), text, fontsize=7, color="0.35", ha="left", va="bottom")
+    return fig
+
+
+def _facet_axes(n: int, width: float = 5.5, height: float = 4.0) -> tuple[plt.Figure, list[plt.Axes]]:
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def tgs_vs_batch(results: pd.DataFrame) -> plt.Figure | None:
+    """TGS against per-device batch, one line per path, OOM points marked with a red x at the bottom."""
+    frame = with_path_labels(results)
+    if frame.empty or "per_device_batch" not in frame or "tgs" not in frame:
+        return None
+    frame = frame[frame["per_device_batch"].notna()]
+    # Only sweeps that actually vary the batch belong on this figure.
+    varied = frame.groupby("sweep")["per_device_batch"].transform("nunique") > 1
+    frame = frame[varied]
+    if frame.empty:
+        return None
+    devices = sorted(frame["device_kind"].fillna("unknown").astype(str).unique())
+    fig, axes = _facet_axes(len(devices))
+    for ax, device in zip(axes, devices):
+        rows = frame[frame["device_kind"].fillna("unknown").astype(str) == device]
+        ok = rows[rows["status"] == "ok"]
+        if not ok.empty:
+            sns.lineplot(data=ok, x="per_device_batch", y="tgs", hue="path", marker="o", errorbar=None, ax=ax)
+        oom = rows[rows["status"] == "oom"]
+        for i, (_, row) in enumerate(oom.iterrows()):
+            ax.scatter(row["per_device_batch"], 0.02, marker="x", color="red", s=60, zorder=5,
+                       transform=ax.get_xaxis_transform(), label="OOM" if i == 0 else None)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="per-device batch (sequences)", ylabel=TGS_LABEL, title=f"TGS vs batch — {device}")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    return add_provenance(fig, frame)
+
+
+def peak_memory(results: pd.DataFrame) -> plt.Figure | None:
+    """Peak device memory per path (GiB), grouped by per-device batch."""
+    frame = with_path_labels(results)
+    if frame.empty or "peak_memory_bytes" not in frame:
+        return None
+    frame = frame[(frame["status"] == "ok") & frame["peak_memory_bytes"].notna()].copy()
+    if frame.empty:
+        return None
+    frame["peak_gib"] = frame["peak_memory_bytes"].astype(float) / GIB
+    hue = "per_device_batch" if "per_device_batch" in frame and frame["per_device_batch"].nunique() > 1 else None
+    devices = sorted(frame["device_kind"].fillna("unknown").astype(str).unique())
+    fig, axes = _facet_axes(len(devices))
+    for ax, device in zip(axes, devices):
+        rows = frame[frame["device_kind"].fillna("unknown").astype(str) == device]
+        sns.barplot(data=rows, x="path", y="peak_gib", hue=hue, errorbar=None, ax=ax,
+                    palette="viridis" if hue else None)
+        ax.set(xlabel="MoE path", ylabel="peak device memory (GiB)", title=f"Peak memory — {device}")
+        ax.tick_params(axis="x", rotation=20)
+        if hue:
+            ax.legend(title="per-device batch", fontsize=8)
+    return add_provenance(fig, frame)
+
+
+def loss_curves(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figure | None:
+    """Train loss (left) and eval loss (right) against step, one line per point, one row per sweep."""
+    if histories.empty or "loss" not in histories:
+        return None
+    sweeps = sorted(histories["sweep"].unique())
+    fig, grid = plt.subplots(len(sweeps), 2, figsize=(12, 4 * len(sweeps)), squeeze=False)
+    for (ax_train, ax_eval), sweep in zip(grid, sweeps):
+        rows = histories[histories["sweep"] == sweep]
+        sns.lineplot(data=rows, x="step", y="loss", hue="label", ax=ax_train, errorbar=None, linewidth=1)
+        ax_train.set(xlabel="step", ylabel="train loss (nats / token)", title=f"Train loss — {sweep}")
+        evals = rows[rows["eval_loss"].notna()] if "eval_loss" in rows else rows.iloc[0:0]
+        if not evals.empty:
+            sns.lineplot(data=evals, x="step", y="eval_loss", hue="label", marker="o", ax=ax_eval, errorbar=None)
+        ax_eval.set(xlabel="step", ylabel="eval loss (nats / token)", title=f"Eval loss — {sweep}")
+        for ax in (ax_train, ax_eval):
+            if ax.get_legend() is not None:
+                ax.legend(fontsize=8)
+    return add_provenance(fig, results[results["sweep"].isin(sweeps)])
+
+
+def dropped_fraction(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figure | None:
+    """Fraction of token copies dropped by the capacity-factor path over training."""
+    if histories.empty or "dropped_fraction" not in histories:
+        return None
+    rows = histories[(histories["moe_path"] == "dense_cf") & histories["dropped_fraction"].notna()]
+    if rows.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = rows.assign(run=rows["sweep"] + ": " + rows["label"])
+    sns.lineplot(data=rows, x="step", y="dropped_fraction", hue="run", ax=ax, errorbar=None, linewidth=1)
+    ax.set(xlabel="step", ylabel="dropped token copies (fraction of T·k)", title="Dropped tokens, dense_cf")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return add_provenance(fig, results[results["point"].isin(rows["point"])])
+
+
+def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame) -> plt.Figure | None:
+    """Final expert load (layer × expert) per run, as a multiple of the mean load (1 = balanced)."""
+    if not loads:
+        return None
+    relative = {}
+    for label, load in loads.items():
+        load = np.asarray(load, dtype=float)  # (L_moe, E)
+        relative[label] = load / np.maximum(load.mean(axis=1, keepdims=True), 1e-12)
+    vmax = max(2.0, max(float(r.max()) for r in relative.values()))  # one colour scale for all panels
+    fig, axes = _facet_axes(len(loads), width=5.0, height=3.5)
+    for ax, (label, rel) in zip(axes, relative.items()):
+        sns.heatmap(rel, ax=ax, cmap="vlag", center=1.0, vmin=0, vmax=vmax,
+                    cbar_kws={"label": "load / mean load"})
+        ax.set(xlabel="expert", ylabel="MoE layer", title=label)
+    return add_provenance(fig, results)
+
+
+def kernel_tflops(kernels: pd.DataFrame) -> plt.Figure | None:
+    """Grouped-GEMM TFLOP/s per shape and implementation; black bars mark the dense cuBLAS ceiling."""
+    needed = {"shape", "impl", "tflops"}
+    if kernels.empty or not needed <= set(kernels.columns):
+        return None
+    kernels = kernels.copy()
+    kernels["op"] = kernels["op"] if "op" in kernels else "fwd"
+    kernels["shape"] = kernels["shape"].astype(str) + (
+        " / " + kernels["routing"].astype(str) if "routing" in kernels else "")
+    ops = list(dict.fromkeys(kernels["op"]))
+    fig, axes = _facet_axes(len(ops), width=6.5, height=4.5)
+    for ax, op in zip(axes, ops):
+        rows = kernels[kernels["op"] == op]
+        grouped = rows[rows["impl"] != "dense_cublas"]
+        order = list(dict.fromkeys(rows["shape"]))
+        if not grouped.empty:
+            sns.barplot(data=grouped, x="shape", y="tflops", hue="impl", order=order, errorbar=None, ax=ax)
+        ceiling = rows[rows["impl"] == "dense_cublas"].groupby("shape")["tflops"].max()
+        for i, shape in enumerate(order):
+            if shape in ceiling:
+                ax.hlines(ceiling[shape], i - 0.45, i + 0.45, color="black", linewidth=2,
+                          label="dense cuBLAS ceiling" if i == 0 else None)
+        ax.set(xlabel="shape (M×K×N, groups) / routing", ylabel="TFLOP/s", title=f"Grouped GEMM — {op}")
+        ax.set_ylim(0, 1.25 * float(rows["tflops"].max()))  # headroom for the legend
+        ax.tick_params(axis="x", rotation=30, labelsize=7)
+        ax.legend(fontsize=8)
+    return add_provenance(fig, kernels)
+
+
+def synthetic_vs_real(results: pd.DataFrame) -> plt.Figure | None:
+    """TGS per path on synthetic tokens against real text (same sweep, same settings otherwise)."""
+    frame = with_path_labels(results)
+    if frame.empty or "dataset" not in frame or "tgs" not in frame:
+        return None
+    frame = frame[(frame["status"] == "ok") & frame["tgs"].notna()]
+    varied = frame.groupby("sweep")["dataset"].transform("nunique") > 1
+    frame = frame[varied]
+    if frame.empty:
+        return None
+    frame = frame.assign(data=np.where(frame["dataset"] == "synthetic", "synthetic", "real text"))
+    devices = sorted(frame["device_kind"].fillna("unknown").astype(str).unique())
+    fig, axes = _facet_axes(len(devices))
+    for ax, device in zip(axes, devices):
+        rows = frame[frame["device_kind"].fillna("unknown").astype(str) == device]
+        sns.barplot(data=rows, x="path", y="tgs", hue="data", errorbar=None, ax=ax)
+        ax.set(xlabel="MoE path", ylabel=TGS_LABEL, title=f"Synthetic vs real data — {device}")
+        ax.tick_params(axis="x", rotation=20)
+    return add_provenance(fig, frame)

@@ -1,0 +1,132 @@
+"""Thin helpers the notebooks call, so that their logic is importable and tested.
+
+``02_train`` turns its parameters cell into a ``TrainConfig`` (``train_config``), runs it, saves the
+``RunResult`` record where the sweep collects it (``save_record``) and plots it (``plot_run``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+from turbo_moe.experiments import figures
+
+
+def train_config(
+    *,
+    model: str,
+    moe_path: str,
+    per_device_batch: int,
+    steps: int,
+    capacity_factor: float | None = None,
+    model_overrides: Mapping[str, Any] | None = None,
+    train_overrides: Mapping[str, Any] | None = None,
+    **fields: Any,
+):
+    """A validated ``TrainConfig`` from notebook parameters; raises ValueError naming the bad parameter.
+
+    ``moe_path`` and ``capacity_factor`` (None keeps the preset's) go into the model overrides;
+    ``fields`` are TrainConfig fields (dataset, seq_len, seed, ...); ``train_overrides`` adds any other.
+    """
+    from turbo_moe.model import MOE_PATHS
+    from turbo_moe.train import TrainConfig
+
+    # Checked here too so that the message names the notebook parameter, before any compile.
+    if moe_path not in MOE_PATHS:
+        raise ValueError(f"parameter moe_path: unknown path {moe_path!r}; expected one of {MOE_PATHS}")
+    if isinstance(per_device_batch, bool) or not isinstance(per_device_batch, int) or per_device_batch <= 0:
+        raise ValueError(f"parameter per_device_batch: must be a positive int, got {per_device_batch!r}")
+    if not isinstance(model_overrides or {}, Mapping):
+        raise ValueError(f"parameter model_overrides: must be a dict, got {type(model_overrides).__name__}")
+    overrides = {**(model_overrides or {}), "moe_path": moe_path}
+    if capacity_factor is not None and not (isinstance(capacity_factor, float) and math.isnan(capacity_factor)):
+        overrides["capacity_factor"] = float(capacity_factor)
+    return TrainConfig(model=model, model_overrides=overrides, per_device_batch=per_device_batch, steps=steps,
+                       **fields, **dict(train_overrides or {}))
+
+
+def describe(tc) -> pd.DataFrame:
+    """One-column table of what will run: model size, path, tokens per step, FLOPs per token."""
+    from turbo_moe.model import count_params, flops_per_token
+
+    cfg = tc.model_config()
+    counts = count_params(cfg)
+    seq = tc.resolved_seq_len
+    rows = {
+        "model": tc.model if isinstance(tc.model, str) else "custom",
+        "moe_path": cfg.moe_path,
+        "capacity_factor": cfg.capacity_factor if cfg.moe_path == "dense_cf" else "n/a (dropless)",
+        "experts (routed, shared, top-k)": f"{cfg.n_experts}, {cfg.n_shared_experts}, {cfg.top_k}",
+        "layers (dense + MoE)": f"{cfg.n_dense_layers} + {cfg.n_layers - cfg.n_dense_layers}",
+        "params total / active (M)": f"{counts['total'] / 1e6:.2f} / {counts['active'] / 1e6:.2f}",
+        "tokens per device per step": tc.per_device_batch * seq,
+        "training GFLOP per token": f"{flops_per_token(cfg, seq) / 1e9:.4f}",
+        "dataset": str(tc.dataset),
+        "steps": tc.steps,
+    }
+    return pd.DataFrame({"value": [str(v) for v in rows.values()]}, index=list(rows))
+
+
+def default_record_path(output_dir: str | Path, tc) -> Path:
+    """Where an interactive (non-sweep) run keeps its record: ``<output_dir>/<path>_<UTC time>.json``."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return Path(output_dir) / f"{tc.model_config().moe_path}_{stamp}.json"
+
+
+def save_record(result, result_json: str | Path | None, output_dir: str | Path, tc) -> Path:
+    """Save the RunResult JSON at ``result_json`` (set by the sweep) or under ``output_dir``."""
+    path = Path(result_json) if result_json else default_record_path(output_dir, tc)
+    return result.save(path)
+
+
+def summary_table(result) -> pd.DataFrame:
+    """The run's status and summary as a one-column table (for display)."""
+    rows = {"status": result.status, "error": result.error or "", **result.summary}
+    return pd.DataFrame({"value": [_fmt(v) for v in rows.values()]}, index=list(rows))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def plot_run(result, title: str = "") -> plt.Figure | None:
+    """Loss (train and eval), TGS and dropped fraction against step for one run."""
+    history = pd.DataFrame(result.history)
+    if history.empty or "step" not in history:
+        print(f"nothing to plot: the run has no history (status {result.status})")
+        return None
+    sns.set_theme(style="whitegrid")
+    fig, (ax_loss, ax_tgs, ax_drop) = plt.subplots(1, 3, figsize=(15, 3.8))
+    ax_loss.plot(history["step"], history["loss"], label="train", linewidth=1)
+    if "eval_loss" in history and history["eval_loss"].notna().any():
+        evals = history[history["eval_loss"].notna()]
+        ax_loss.plot(evals["step"], evals["eval_loss"], "o-", label="eval")
+    ax_loss.set(xlabel="step", ylabel="loss (nats / token)", title=f"Loss {title}".strip())
+    ax_loss.legend()
+    if "tgs" in history:
+        ax_tgs.plot(history["step"], history["tgs"], linewidth=1)
+    ax_tgs.set(xlabel="step", ylabel=figures.TGS_LABEL, title="Throughput")
+    ax_tgs.set_ylim(bottom=0)
+    if "dropped_fraction" in history:
+        ax_drop.plot(history["step"], history["dropped_fraction"], linewidth=1)
+    ax_drop.set(xlabel="step", ylabel="dropped token copies (fraction)", title="Dropped tokens")
+    ax_drop.set_ylim(bottom=0)
+    prov = pd.DataFrame([result.provenance]) if result.provenance else pd.DataFrame()
+    return figures.add_provenance(fig, prov)
+
+
+def plot_expert_load(result, title: str = "") -> plt.Figure | None:
+    """Final expert load (layer × expert) relative to the mean."""
+    if not result.expert_load:
+        return None
+    prov = pd.DataFrame([result.provenance]) if result.provenance else pd.DataFrame()
+    return figures.expert_load_heatmaps({title or "expert load": result.expert_load}, prov)

@@ -1,0 +1,19 @@
+"""DeepSeek-V3-style MoE decoder in Flax NNX with three interchangeable MoE paths.
+
+    from turbo_moe.model import get_config, DeepSeekModel, lm_loss, count_params
+    cfg = get_config("tiny", moe_path="ragged")
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+"""
+
+from turbo_moe.model.accounting import count_params, flops_per_token
+from turbo_moe.model.config import MOE_PATHS, PRESET_NAMES, ModelConfig, get_config
+from turbo_moe.model.experts import ExpertStats, ExpertWeights
+from turbo_moe.model.model import DeepSeekModel, ModelOutput, MoEStats, lm_loss, update_router_bias
+from turbo_moe.model.moe_layer import moe_path_fn
+from turbo_moe.model.router import RouterBias, Routing
+
+__all__ = [
+    "MOE_PATHS", "PRESET_NAMES", "ModelConfig", "get_config", "DeepSeekModel", "ModelOutput", "MoEStats",
+    "lm_loss", "update_router_bias", "count_params", "flops_per_token", "RouterBias", "Routing",
+    "ExpertWeights", "ExpertStats", "moe_path_fn",
+]

@@ -1,0 +1,27 @@
+"""Training for turbo-moe: `run(TrainConfig(...)) -> RunResult` with honest throughput/memory metrics.
+
+    from turbo_moe.train import TrainConfig, run
+    result = run(TrainConfig(model="tiny", dataset="shakespeare", steps=50))
+    result.summary["tgs"], result.history_frame()
+"""
+
+from turbo_moe.train.checkpoint import Checkpointer
+from turbo_moe.train.config import TrainConfig
+from turbo_moe.train.loop import OutOfMemory, run
+from turbo_moe.train.metrics import PEAK_BF16_FLOPS, peak_flops
+from turbo_moe.train.result import STATUSES, RunResult
+from turbo_moe.train.step import (
+    TrainState,
+    init_state,
+    learning_rate_schedule,
+    make_eval_step,
+    make_mesh,
+    make_optimizer,
+    make_train_step,
+)
+
+__all__ = [
+    "Checkpointer", "OutOfMemory", "PEAK_BF16_FLOPS", "RunResult", "STATUSES", "TrainConfig", "TrainState",
+    "init_state", "learning_rate_schedule", "make_eval_step", "make_mesh", "make_optimizer", "make_train_step",
+    "peak_flops", "run",
+]

@@ -1,0 +1,149 @@
+"""TrainConfig: one frozen, validated dataclass describing a training run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from turbo_moe.model import ModelConfig, get_config
+
+_POSITIVE_INTS = ("per_device_batch", "steps", "eval_batches", "log_every", "keep_checkpoints")
+_NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "checkpoint_every", "skip_steps_for_tgs", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything `run` needs. Model = preset name or ModelConfig, plus `model_overrides`.
+
+    seq_len None means the model's `max_seq_len`. The learning rate warms up linearly over
+    `warmup_steps`, then follows a cosine decay to `min_lr_ratio * learning_rate` at
+    `lr_schedule_steps` (default: `steps`; set it when a run is split into several invocations).
+    """
+
+    model: str | ModelConfig = "tiny"
+    model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dataset: str = "shakespeare"  # "shakespeare" | "synthetic" | a path (txt/jsonl/json.gz/parquet)
+    text_field: str = "text"
+    val_fraction: float = 0.05
+    per_device_batch: int = 8
+    seq_len: int | None = None
+    steps: int = 50
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    lr_schedule_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    remat_policy: str | None = None  # overrides the model's remat_policy when set
+    eval_every: int = 25  # 0: only at the end
+    eval_batches: int = 4
+    log_every: int = 1
+    seed: int = 0
+    data_dir: str | None = None  # None: $TURBO_MOE_DATA_DIR or ~/.cache/turbo_moe
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
+    keep_checkpoints: int = 2
+    resume: bool = False
+    progress: bool = True
+    skip_steps_for_tgs: int = 3  # steps after compile excluded from TGS/MFU
+
+    def __post_init__(self):
+        _validate(self)
+
+    def model_config(self) -> ModelConfig:
+        """The resolved, validated ModelConfig (preset or given config, then overrides)."""
+        overrides = dict(self.model_overrides)
+        if self.remat_policy is not None:
+            overrides["remat_policy"] = self.remat_policy
+        if isinstance(self.model, ModelConfig):
+            return self.model.replace(**overrides) if overrides else self.model
+        return get_config(self.model, **overrides)
+
+    @property
+    def resolved_seq_len(self) -> int:
+        return self.seq_len if self.seq_len is not None else self.model_config().max_seq_len
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.lr_schedule_steps if self.lr_schedule_steps is not None else self.steps
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["model_overrides"] = dict(self.model_overrides)
+        if isinstance(self.model, ModelConfig):
+            out["model"] = self.model.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "TrainConfig":
+        """Inverse of `to_dict`; `model` may be a preset name or a ModelConfig dict. Unknown keys raise."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"TrainConfig.from_dict expects a mapping, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
+        kwargs = dict(values)
+        if isinstance(kwargs.get("model"), Mapping):
+            kwargs["model"] = ModelConfig.from_dict(kwargs["model"])
+        return cls(**kwargs)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"TrainConfig.{field}: {message}")
+
+
+def _validate(c: TrainConfig) -> None:
+    for name in _POSITIVE_INTS:
+        value = getattr(c, name)
+        _require(_is_int(value) and value > 0, name, f"must be a positive int, got {value!r}")
+    for name in _NON_NEGATIVE_INTS:
+        value = getattr(c, name)
+        _require(_is_int(value) and value >= 0, name, f"must be a non-negative int, got {value!r}")
+    _require(c.seq_len is None or (_is_int(c.seq_len) and c.seq_len > 0), "seq_len",
+             f"must be a positive int or None, got {c.seq_len!r}")
+    _require(c.lr_schedule_steps is None or (_is_int(c.lr_schedule_steps) and c.lr_schedule_steps >= c.steps),
+             "lr_schedule_steps", f"must be None or an int >= steps={c.steps}, got {c.lr_schedule_steps!r}")
+    _require(c.warmup_steps <= c.schedule_steps, "warmup_steps",
+             f"{c.warmup_steps} > the schedule's {c.schedule_steps} steps")
+    _require(_is_number(c.learning_rate) and c.learning_rate > 0, "learning_rate",
+             f"must be a positive finite number, got {c.learning_rate!r}")
+    for name in ("weight_decay", "grad_clip"):
+        value = getattr(c, name)
+        _require(_is_number(value) and value >= 0, name, f"must be a finite number >= 0, got {value!r}")
+    for name in ("min_lr_ratio", "adam_b1", "adam_b2"):
+        value = getattr(c, name)
+        _require(_is_number(value) and 0 <= value <= 1, name, f"must be in [0, 1], got {value!r}")
+    _require(_is_number(c.val_fraction) and 0 < c.val_fraction < 1, "val_fraction",
+             f"must be in (0, 1), got {c.val_fraction!r}")
+    _require(isinstance(c.dataset, (str, Path)) and str(c.dataset) != "", "dataset",
+             f"must be 'shakespeare', 'synthetic' or a path, got {c.dataset!r}")
+    _require(isinstance(c.text_field, str) and c.text_field != "", "text_field",
+             f"must be a non-empty str, got {c.text_field!r}")
+    for name in ("resume", "progress"):
+        _require(isinstance(getattr(c, name), bool), name, f"must be a bool, got {getattr(c, name)!r}")
+    _require(not c.resume or c.checkpoint_dir is not None, "resume", "resume=True needs a checkpoint_dir")
+    _require(isinstance(c.model, (str, ModelConfig)), "model",
+             f"must be a preset name or a ModelConfig, got {type(c.model).__name__}")
+    _require(isinstance(c.model_overrides, Mapping), "model_overrides",
+             f"must be a mapping, got {type(c.model_overrides).__name__}")
+    model_cfg = c.model_config()  # raises ValueError naming the ModelConfig field
+    seq_len = c.seq_len if c.seq_len is not None else model_cfg.max_seq_len
+    _require(seq_len <= model_cfg.max_seq_len, "seq_len",
+             f"{seq_len} > the model's max_seq_len={model_cfg.max_seq_len} (raise it in model_overrides)")

@@ -1,0 +1,234 @@
+"""`run(config) -> RunResult`: the one readable training loop around the jitted step.
+
+Timing is honest: the train step is compiled ahead of time (compile time reported separately), each
+step is timed from the previous step's completion to its own (host data preparation overlaps the
+device work), evaluation and checkpointing are excluded, and the first `skip_steps_for_tgs` steps
+are left out of TGS/MFU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from turbo_moe.data import BatchIterator, Dataset, eval_batches, load_dataset
+from turbo_moe.model import ModelConfig, count_params, flops_per_token
+from turbo_moe.train import metrics as M
+from turbo_moe.train.checkpoint import Checkpointer
+from turbo_moe.train.config import TrainConfig
+from turbo_moe.train.result import RunResult
+from turbo_moe.train.step import (
+    abstract_batch, device_batch, init_state, jit_steps, learning_rate_schedule, make_mesh, make_optimizer)
+
+
+class OutOfMemory(MemoryError):
+    """The compiled step does not fit the device (found before running it)."""
+
+
+def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
+    """Train per `config`. Bad configs/data paths raise; OOM, NaN/Inf loss and other failures during
+    training come back as `status` "oom" / "nan" / "error" with `error` explaining them."""
+    tc = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    model_cfg = tc.model_config()
+    dataset = load_dataset(tc.dataset, seq_len=tc.resolved_seq_len, vocab_size=model_cfg.vocab_size,
+                           data_dir=tc.data_dir, text_field=tc.text_field, val_fraction=tc.val_fraction)
+    result = RunResult(provenance=M.provenance(tc.to_dict(), model_cfg.to_dict(), dataset.info))
+    trainer = _Trainer(tc, model_cfg, dataset, result)
+    try:
+        trainer.train()
+    except Exception as error:  # noqa: BLE001 — reported in the result, never swallowed silently
+        if M.is_oom(error):
+            result.status, result.error = "oom", trainer.describe_oom(error)
+        else:
+            result.status = "error"
+            result.error = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=20)}"
+    finally:
+        trainer.close()
+    result.summary = trainer.summary()
+    return result
+
+
+class _Trainer:
+    """State of one run; `train()` is the loop, `summary()` the run-level figures."""
+
+    def __init__(self, tc: TrainConfig, model_cfg: ModelConfig, dataset: Dataset, result: RunResult):
+        self.tc, self.model_cfg, self.dataset, self.result = tc, model_cfg, dataset, result
+        self.seq_len = tc.resolved_seq_len
+        self.n_devices = jax.device_count()
+        self.global_batch = tc.per_device_batch * self.n_devices
+        self.tokens_per_device = tc.per_device_batch * self.seq_len
+        self.schedule = learning_rate_schedule(tc)
+        self.phase = "setup"
+        self.start_step = 0
+        self.step_times: list[float] = []  # this process's steps only
+        self.dropped: list[float] = []
+        self.compile_time_s = math.nan
+        self.compiled_mem: dict[str, int] = {}
+        self.memory_limit: tuple[int | None, str] = (None, "unknown")
+        self.checkpointer = Checkpointer(tc.checkpoint_dir, tc.keep_checkpoints) if tc.checkpoint_dir else None
+        self.pbar = None
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> None:
+        tc, history = self.tc, self.result.history
+        mesh = make_mesh()
+        tx = make_optimizer(tc)
+        self.phase = "initialisation"
+        graphdef, state = init_state(self.model_cfg, tx, tc.seed, mesh)
+        state = self._maybe_resume(state)
+        train_step, eval_step = jit_steps(graphdef, tx, self.model_cfg.router_bias_rate, state, mesh)
+        self.phase = "compilation"
+        compiled = self._compile(train_step, state, mesh)
+        if self.start_step >= tc.steps:
+            return
+        proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
+        batches = BatchIterator(self.dataset.train, self.global_batch, seed=tc.seed, **proc)
+        val = [device_batch(b, mesh) for b in self._local_eval_batches()]
+        self.pbar = tqdm(total=tc.steps, initial=self.start_step, disable=not tc.progress,
+                         desc=f"train {self.model_cfg.moe_path}", dynamic_ncols=True)
+        self.phase = "training"
+        next_batch = device_batch(batches.batch_at(self.start_step), mesh)
+        t_prev = time.perf_counter()
+        for step in range(self.start_step, tc.steps):
+            state, step_metrics = compiled(state, next_batch)  # dispatched asynchronously
+            if step + 1 < tc.steps:  # prepare the next batch while the device works
+                next_batch = device_batch(batches.batch_at(step + 1), mesh)
+            m = jax.device_get(step_metrics)  # waits for the step
+            now = time.perf_counter()
+            step_time, t_prev = now - t_prev, now
+            row = self._row(step, m, step_time)
+            self.step_times.append(step_time)
+            self.dropped.append(row["dropped_fraction"])
+            self.result.expert_load = np.asarray(m["expert_load"]).tolist()
+            if not math.isfinite(row["loss"]):
+                history.append(row)
+                self.result.status = "nan"
+                self.result.error = f"non-finite loss ({row['loss']}) at step {step}"
+                return
+            done = step + 1
+            is_last = done == tc.steps
+            evaluate = is_last or bool(tc.eval_every and done % tc.eval_every == 0)
+            save = self.checkpointer is not None and (is_last or bool(
+                tc.checkpoint_every and done % tc.checkpoint_every == 0))
+            if evaluate:
+                row["eval_loss"] = self._evaluate(eval_step, state, val)
+            if is_last or evaluate or step % tc.log_every == 0:
+                history.append(row)
+            self.pbar.set_postfix(loss=f"{row['loss']:.3f}", tgs=f"{row['tgs']:.0f}")
+            self.pbar.update(1)
+            if save:
+                self.checkpointer.save(done, state, {"step": done, "history": history, "config": tc.to_dict()})
+            if evaluate or save:
+                t_prev = time.perf_counter()  # evaluation/checkpointing are not part of step time
+
+    def _row(self, step: int, m: dict, step_time: float) -> dict[str, Any]:
+        mean_ratio, worst_ratio, _ = M.load_imbalance(m["expert_load"])
+        return {
+            "step": step, "loss": float(m["loss"]), "ce_loss": float(m["ce_loss"]),
+            "mtp_loss": float(m["mtp_loss"]), "balance_loss": float(m["balance_loss"]),
+            "eval_loss": math.nan, "step_time_s": step_time, "tgs": self.tokens_per_device / step_time,
+            "dropped_fraction": float(m["dropped_fraction"]), "load_max_over_mean": mean_ratio,
+            "load_max_over_mean_worst_layer": worst_ratio, "lr": float(self.schedule(step)),
+            "grad_norm": float(m["grad_norm"]),
+        }
+
+    def _local_eval_batches(self) -> list[dict]:
+        batches = eval_batches(self.dataset.val, self.global_batch, self.tc.eval_batches, seed=self.tc.seed)
+        share = self.global_batch // jax.process_count()
+        lo = jax.process_index() * share
+        return [{k: v[lo:lo + share] for k, v in b.items()} for b in batches]
+
+    def _evaluate(self, eval_step, state, val: list[dict]) -> float:
+        losses = [float(eval_step(state, batch)["ce_loss"]) for batch in val]
+        return float(np.mean(losses))
+
+    def _maybe_resume(self, state):
+        if not (self.tc.resume and self.checkpointer and self.checkpointer.latest_step() is not None):
+            return state
+        self.phase = "restore"
+        state, record = self.checkpointer.restore(state)
+        self.start_step = int(record["step"])
+        if int(state.step) != self.start_step:
+            raise ValueError(f"checkpoint record says step {self.start_step} but the optimizer state has "
+                             f"{int(state.step)} updates")
+        self.result.history.extend(record["history"])
+        return state
+
+    def _compile(self, train_step, state, mesh):
+        start = time.perf_counter()
+        compiled = train_step.lower(state, abstract_batch(self.global_batch, self.seq_len, mesh)).compile()
+        self.compile_time_s = time.perf_counter() - start
+        self.compiled_mem = M.compiled_memory(compiled)
+        self.memory_limit = M.device_memory_limit()
+        self._check_fits()
+        return compiled
+
+    def _check_fits(self) -> None:
+        """Refuse to run a step XLA says needs more than the device has (CPU would swap or be killed)."""
+        limit, source = self.memory_limit
+        mem = self.compiled_mem
+        if limit is None or not mem:
+            return
+        on_cpu = jax.devices()[0].platform == "cpu"
+        # On CPU the arguments are already resident (MemAvailable excludes them); on accelerators the
+        # pool limit must hold arguments, outputs and temporaries together.
+        need = mem["total_bytes"] - (mem["argument_size_in_bytes"] if on_cpu else 0)
+        if need > limit:
+            raise OutOfMemory(
+                f"compiled train step needs {need} bytes per device (temporaries {mem['temp_size_in_bytes']}, "
+                f"outputs {mem['output_size_in_bytes']}, arguments {mem['argument_size_in_bytes']}) but "
+                f"{source} is {limit} bytes")
+
+    def describe_oom(self, error: BaseException) -> str:
+        asked = M.requested_bytes(str(error))
+        self.result.summary["oom_requested_bytes"] = asked
+        device = jax.devices()[0].device_kind
+        return (f"out of memory during {self.phase}: model {self.tc.model if isinstance(self.tc.model, str) else 'custom'}"
+                f" ({self.model_cfg.moe_path}), per_device_batch={self.tc.per_device_batch} x seq_len={self.seq_len}"
+                f" on {self.n_devices} x {device}; asked for "
+                f"{asked if asked is not None else 'an unknown number of'} bytes. {str(error)[:600]}")
+
+    def close(self) -> None:
+        if self.pbar is not None:
+            self.pbar.close()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self.checkpointer.close()
+
+    # ------------------------------------------------------------------ run-level figures
+    def summary(self) -> dict[str, Any]:
+        tc, history = self.tc, self.result.history
+        timed = self.step_times[tc.skip_steps_for_tgs:]
+        tgs = M.tokens_per_device_per_second(self.tokens_per_device, timed)
+        device = jax.devices()[0]
+        peak, peak_source = M.peak_flops(device.device_kind, device.platform)
+        fpt = flops_per_token(self.model_cfg, self.seq_len)
+        params = count_params(self.model_cfg)
+        peak_mem, mem_source = M.peak_memory()
+        evals = [r["eval_loss"] for r in history if math.isfinite(r.get("eval_loss", math.nan))]
+        ratios = [r["load_max_over_mean"] for r in history if math.isfinite(r["load_max_over_mean"])]
+        return {
+            **self.result.summary,
+            "tgs": tgs, "tgs_steps": len(timed),
+            "step_time_s": float(np.mean(timed)) if timed else math.nan,
+            "mfu": M.model_flops_utilization(fpt, tgs, peak), "peak_flops": peak, "peak_flops_source": peak_source,
+            "flops_per_token": fpt, "tokens_per_step": self.global_batch * self.seq_len,
+            "peak_memory_bytes": peak_mem, "memory_source": mem_source,
+            "compiled_temp_bytes": self.compiled_mem.get("temp_size_in_bytes"),
+            "compiled_total_bytes": self.compiled_mem.get("total_bytes"), "compiled_memory": self.compiled_mem,
+            "device_memory_limit_bytes": self.memory_limit[0], "device_memory_limit_source": self.memory_limit[1],
+            "final_loss": history[-1]["loss"] if history else math.nan,
+            "final_eval_loss": evals[-1] if evals else math.nan,
+            "dropped_fraction_mean": float(np.mean(self.dropped)) if self.dropped else math.nan,
+            "load_max_over_mean_mean": float(np.mean(ratios)) if ratios else math.nan,
+            "params_total": params["total"], "params_active": params["active"],
+            "steps_done": history[-1]["step"] + 1 if history else 0, "resumed_from_step": self.start_step or None,
+            "compile_time_s": self.compile_time_s, "n_devices": self.n_devices,
+            "per_device_batch": tc.per_device_batch, "seq_len": self.seq_len, "moe_path": self.model_cfg.moe_path,
+        }
