@@ -62,7 +62,7 @@ def test_peak_flops_table_names_its_source():
 
 
 def test_tgs_and_mfu_formulas():
-    assert M.tokens_per_device_per_second(1000, [0.5, 0.5]) == pytest.approx(1000.0)
+    assert M.tokens_per_device_per_second(1000, [0.5, 1.5]) == pytest.approx(1000.0)  # 2000 tokens in 2 s
     assert math.isnan(M.tokens_per_device_per_second(1000, []))
     assert M.model_flops_utilization(6e9, 1000.0, 1e13) == pytest.approx(0.6)
     assert math.isnan(M.model_flops_utilization(6e9, 1000.0, math.nan))

@@ -107,15 +107,22 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax
 
     q, k (B, S, H, Dqk); v (B, S, H, Dv) -> (B, S, H, Dv). jax.nn.dot_product_attention needs one head
     dim for q, k and v, so the smaller side is zero-padded (zeros change neither scores nor outputs) and
-    the result sliced; the scale stays 1/sqrt(Dqk).
+    the result sliced; the scale stays 1/sqrt(Dqk). impl "auto": cuDNN flash attention on GPU for
+    bf16/f16 when cuDNN accepts the shapes, XLA otherwise.
     """
     d_qk, d_v = q.shape[-1], v.shape[-1]
     width = max(d_qk, d_v)
     pad = lambda t: t if t.shape[-1] == width else jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])])
-    out = jax.nn.dot_product_attention(
-        pad(q), pad(k), pad(v), scale=d_qk ** -0.5, is_causal=True,
-        implementation=None if impl == "auto" else impl)
-    return out[..., :d_v]
+    attend = lambda implementation: jax.nn.dot_product_attention(
+        pad(q), pad(k), pad(v), scale=d_qk ** -0.5, is_causal=True, implementation=implementation)
+    if impl != "auto":
+        return attend(impl)[..., :d_v]
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return attend("cudnn")[..., :d_v]
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # shapes or cuDNN version not supported: fall back to XLA
+    return attend("xla")[..., :d_v]
 
 
 class SwiGLU(nnx.Module):

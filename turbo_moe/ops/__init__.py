@@ -2,8 +2,11 @@
 
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad.
 - permute / unpermute: single-device dispatch/combine, each other's transposes.
+- moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
 """
 from turbo_moe.ops._ffi import ensure_registered
+from turbo_moe.ops.moe_combine import moe_combine
+from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
 from turbo_moe.ops.permute import PermuteHandle, permute
 from turbo_moe.ops.unpermute import unpermute
@@ -15,4 +18,7 @@ __all__ = [
     "permute",
     "unpermute",
     "PermuteHandle",
+    "moe_dispatch",
+    "moe_combine",
+    "DispatchHandle",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ TARGETS = (
     "turbo_moe_permute",
     "turbo_moe_unpermute",
     "turbo_moe_unpermute_bwd",
+    "turbo_moe_dispatch_pack",
 )
 CPU_LIBRARY = "libturbo_moe_cpu.so"
 CUDA_LIBRARY = "libturbo_moe_cuda.so"
@@ -45,14 +47,21 @@ def find_library(name: str) -> Path | None:
     return None
 
 
-def _register(path: Path, platform: str) -> None:
+def _register(path: Path, platform: str, required: bool) -> list[str]:
+    """Registers the targets `path` exports; a required library must export all of them."""
     lib = ctypes.CDLL(str(path))
+    missing = []
     for target in TARGETS:
-        try:
-            symbol = getattr(lib, target)
-        except AttributeError as e:
-            raise RuntimeError(f"{path} does not export the FFI handler {target!r}; rebuild turbo_moe") from e
+        symbol = getattr(lib, target, None)
+        if symbol is None:
+            missing.append(target)
+            continue
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform=platform)
+    if missing and required:
+        raise RuntimeError(f"{path} does not export the FFI handlers {missing}; rebuild turbo_moe")
+    if missing:
+        warnings.warn(f"{path} lacks {missing}: those ops have no {platform} kernel", RuntimeWarning)
+    return missing
 
 
 def _cuda_backend_present() -> bool:
@@ -73,16 +82,43 @@ def ensure_registered() -> dict[str, str]:
             "Build it with `pip install .` (or `pip install -e .`) from the repository root, "
             "or point TURBO_MOE_LIB_DIR at the folder that holds it."
         )
-    _register(cpu, "cpu")
+    _register(cpu, "cpu", required=True)
     registered = {"cpu": str(cpu)}
     cuda = find_library(CUDA_LIBRARY)
     if cuda is not None and _cuda_backend_present():
-        _register(cuda, "CUDA")
+        _register(cuda, "CUDA", required=False)
         registered["CUDA"] = str(cuda)
     return registered
 
 
+def varying_axes(x: Any) -> frozenset:
+    """Manual mesh axes (inside shard_map) over which `x` varies; empty outside shard_map."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def make_varying(x: Any, axes: frozenset) -> Any:
+    """Marks `x` as varying over `axes` (a no-op for axes it already varies over)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
 def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any) -> Any:
-    """Calls a registered target; vmap broadcasts every operand to the batch (kernels take leading dims)."""
+    """Calls a registered target; vmap broadcasts every operand to the batch (kernels take leading dims).
+
+    Inside shard_map, XLA FFI calls need operands of one varying-axes type: operands and results are
+    all typed as varying over the union of the operands' axes (the kernels are per-shard anyway).
+    Every call here sits inside a custom_vjp, so these casts are never transposed by autodiff.
+    """
     ensure_registered()
-    return jax.ffi.ffi_call(target, result_shape_dtypes, vmap_method="broadcast_all")(*args, **attrs)
+    axes = frozenset().union(*(varying_axes(a) for a in args))
+    args = tuple(make_varying(a, axes) for a in args)
+    out = jax.ffi.ffi_call(target, result_shape_dtypes, vmap_method="broadcast_all")(*args, **attrs)
+    return jax.tree.map(lambda o: make_varying(o, axes), out) if axes else out

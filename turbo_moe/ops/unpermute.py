@@ -13,7 +13,8 @@ def unpermute(y_sorted, handle: PermuteHandle, weights):
     """out[t] = sum_j weights[t, j] * y_sorted[handle.row_index[t, j]], accumulated in float32.
 
     Args:
-      y_sorted: (T*k, H) rows in the order `permute` produced, bfloat16/float16/float32.
+      y_sorted: (R, H) rows in the order `permute` produced (R = T*k), bfloat16/float16/float32.
+        Any R works: row_index entries outside [0, R) contribute nothing.
       handle: the PermuteHandle returned by `permute`.
       weights: (T, k) combine weights (e.g. router probabilities); any float dtype.
     Returns:
@@ -30,8 +31,6 @@ def unpermute(y_sorted, handle: PermuteHandle, weights):
         raise TypeError(f"weights must be a float array (T, k), got dtype {weights.dtype}")
     if weights.shape != row_index.shape:
         raise ValueError(f"weights must have shape (T, k) = {row_index.shape} like the handle, got {weights.shape}")
-    if y_sorted.shape[0] != row_index.size:
-        raise ValueError(f"y_sorted (T*k, H) must have T*k = {row_index.size} rows, got {y_sorted.shape}")
     return _unpermute(y_sorted, row_index, weights.astype(jnp.float32))
 
 
