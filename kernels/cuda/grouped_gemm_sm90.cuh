@@ -116,7 +116,7 @@ __global__ void build_weight_grad_args(const Element* lhs, const Element* d_out,
 }
 
 // Zeroes dw[i] (K*N elements) of every problem i whose group is empty.
-__global__ void zero_empty_groups(char* dw, const int32_t* offsets, int64_t G, int64_t group_bytes) {
+static __global__ void zero_empty_groups(char* dw, const int32_t* offsets, int64_t G, int64_t group_bytes) {
   const int64_t i = blockIdx.y, b = i / G, g = i % G;
   if (offsets[b * (G + 1) + g + 1] > offsets[b * (G + 1) + g]) return;
   uint4* base = reinterpret_cast<uint4*>(dw + i * group_bytes);  // group_bytes % 16 == 0

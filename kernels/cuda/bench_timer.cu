@@ -1,0 +1,73 @@
+// Benchmark aids (not part of the ops API): a CUDA-event marker that runs on XLA's own stream,
+// so benchmarks/grouped_gemm.py can time a jitted region with device events, and a query of the
+// scratch memory a grouped GEMM call takes (it does not show in XLA's memory analysis).
+//   turbo_moe_bench_event: anchor (any) -> token int32[1]; records event `slot` on the stream.
+//   turbo_moe_bench_elapsed_ms(start, end): waits for event `end`, returns the time between them.
+#include <mutex>
+
+#include "common.cuh"
+#include "grouped_gemm.h"
+
+namespace turbo_moe {
+namespace {
+
+constexpr int64_t kSlots = 16;
+cudaEvent_t g_events[kSlots];
+bool g_created[kSlots] = {};
+std::mutex g_mutex;
+
+ffi::Error BenchEventImpl(cudaStream_t stream, ffi::AnyBuffer /*anchor*/,
+                          ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t slot) {
+  if (slot < 0 || slot >= kSlots) return invalid("bench_event: slot must be in [0, 16)");
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!g_created[slot]) {
+      if (cudaEventCreate(&g_events[slot]) != cudaSuccess) return last_cuda_error("bench_event");
+      g_created[slot] = true;
+    }
+  }
+  cudaMemsetAsync(token->typed_data(), 0, sizeof(int32_t), stream);
+  cudaEventRecord(g_events[slot], stream);
+  return last_cuda_error("bench_event");
+}
+
+}  // namespace
+}  // namespace turbo_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_bench_event, turbo_moe::BenchEventImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // anchor: orders the marker
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // token [1]
+                                  .Attr<int64_t>("slot"));
+
+// Milliseconds between two recorded events; negative when either slot was never recorded.
+extern "C" float turbo_moe_bench_elapsed_ms(int start, int end) {
+  using namespace turbo_moe;
+  if (start < 0 || end < 0 || start >= kSlots || end >= kSlots || !g_created[start] || !g_created[end])
+    return -1.f;
+  if (cudaEventSynchronize(g_events[end]) != cudaSuccess) return -2.f;
+  float ms = 0.f;
+  if (cudaEventElapsedTime(&ms, g_events[start], g_events[end]) != cudaSuccess) return -3.f;
+  return ms;
+}
+
+// Bytes of XLA scratch one grouped GEMM call takes (offset tables + Hopper argument arrays and
+// CUTLASS workspace). dtype: 0 bf16, 1 f16, 2 f32. Uses the current device.
+extern "C" int64_t turbo_moe_grouped_gemm_scratch_bytes(int64_t batch, int64_t groups, int dtype,
+                                                        int weight_grad) {
+  using namespace turbo_moe;
+  int device = 0;
+  cudaGetDevice(&device);
+  const size_t table = static_cast<size_t>(batch * (groups + 1)) * sizeof(int32_t);
+  const size_t table_padded = (table + 255) & ~size_t(255);
+  size_t total = 2 * table_padded;
+  if (dtype != 2 && sm90_available() && compute_capability_major(device) == 9) {
+    GroupedGemmArgs a{};
+    a.batch = batch;
+    a.G = groups;
+    a.in_type = a.out_type = dtype == 0 ? ffi::DataType::BF16 : ffi::DataType::F16;
+    total += sm90_scratch_bytes(a, weight_grad != 0, device);
+  }
+  return static_cast<int64_t>(total);
+}
