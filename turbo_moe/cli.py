@@ -42,9 +42,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.dry_run:
         planned = plan_sweep(spec, layout, force=args.force, only=args.only)
         print(f"sweep {spec.name}: notebook {spec.notebook}, kernel {args.kernel or spec.kernel}")
-        print(f"table {layout.table}; {len(planned)} points:")
+        print(f"table {layout.table}")
+        print(f"base parameters: {spec.base}")
+        print(f"{len(planned)} points ({sum(p.action == 'run' for p in planned)} to run):")
         for p in planned:
-            print(f"  [{p.action:4s}] {p.point.name}  {p.point.params}")
+            print(f"  [{p.action:4s}] {p.point.name}")
         return 0
     rows = run_sweep(spec, layout=layout, force=args.force, only=args.only, kernel=args.kernel,
                      progress=not args.no_progress)

@@ -1,4 +1,5 @@
 // Benchmark aids (not part of the ops API): a CUDA-event marker that runs on XLA's own stream,
+// a plain device-to-device copy (the permute benchmark's baseline),
 // so benchmarks/grouped_gemm.py can time a jitted region with device events, and a query of the
 // scratch memory a grouped GEMM call takes (it does not show in XLA's memory analysis).
 //   turbo_moe_bench_event: anchor (any) -> token int32[1]; records event `slot` on the stream.
@@ -31,8 +32,21 @@ ffi::Error BenchEventImpl(cudaStream_t stream, ffi::AnyBuffer /*anchor*/,
   return last_cuda_error("bench_event");
 }
 
+// The copy baseline of the permute benchmark: one device-to-device cudaMemcpyAsync.
+ffi::Error BenchCopyImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  if (x.size_bytes() != y->size_bytes()) return invalid("bench_copy: x and y must have the same size");
+  cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  return last_cuda_error("bench_copy");
+}
+
 }  // namespace
 }  // namespace turbo_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_bench_copy, turbo_moe::BenchCopyImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // x
+                                  .Ret<xla::ffi::AnyBuffer>());               // y, a copy of x
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_bench_event, turbo_moe::BenchEventImpl,
                               xla::ffi::Ffi::Bind()
@@ -61,7 +75,7 @@ extern "C" int64_t turbo_moe_grouped_gemm_scratch_bytes(int64_t batch, int64_t g
   cudaGetDevice(&device);
   const size_t table = static_cast<size_t>(batch * (groups + 1)) * sizeof(int32_t);
   const size_t table_padded = (table + 255) & ~size_t(255);
-  size_t total = 2 * table_padded;
+  size_t total = 2 * table_padded + 256;  // + alignment slack (scratch.cuh)
   if (dtype != 2 && sm90_available() && compute_capability_major(device) == 9) {
     GroupedGemmArgs a{};
     a.batch = batch;

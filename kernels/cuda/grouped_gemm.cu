@@ -6,6 +6,7 @@
 // sum(group_sizes) are zeroed on the device. Hopper + bf16/f16 runs the CUTLASS wgmma kernels;
 // everything else (fp32, other GPUs, K or N not a multiple of 8) the portable kernels.
 #include "grouped_gemm.h"
+#include "scratch.cuh"
 
 namespace turbo_moe {
 namespace {
@@ -31,9 +32,8 @@ ffi::Error allocate_scratch(ffi::ScratchAllocator& scratch, const GroupedGemmArg
   const size_t table = static_cast<size_t>(a.batch * (a.G + 1)) * sizeof(int32_t);
   const size_t table_padded = (table + 255) & ~size_t(255);
   s->sm90_bytes = fast ? sm90_scratch_bytes(a, weight_grad, device) : 0;
-  auto mem = scratch.Allocate(2 * table_padded + s->sm90_bytes, 256);
-  if (!mem.has_value()) return ffi::Error::Internal("grouped_gemm: scratch allocation failed");
-  char* base = static_cast<char*>(*mem);
+  char* base = static_cast<char*>(allocate_scratch_aligned(scratch, 2 * table_padded + s->sm90_bytes));
+  if (base == nullptr) return ffi::Error::Internal("grouped_gemm: scratch allocation failed");
   s->offsets = reinterpret_cast<int32_t*>(base);
   s->tile_prefix = reinterpret_cast<int32_t*>(base + table_padded);
   s->sm90 = base + 2 * table_padded;

@@ -4,6 +4,9 @@
 // by the grouped_gemm_sm90_*.cu instance files, which are compiled for sm_90a alone.
 #pragma once
 
+#include <cstdlib>
+#include <string>
+
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -21,11 +24,27 @@ namespace turbo_moe::sm90 {
 using namespace cute;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 
-// One grouped GEMM configuration: D (row-major) = A @ B, float32 accumulation, no C operand.
-template <typename Element, typename LayoutA, typename LayoutB>
-struct Config {
+// Cooperative: two consumer warpgroups share a 128x256 tile (long reductions: forward, dgrad).
+struct Cooperative {
   using TileShape = Shape<_128, _256, _64>;
   using ClusterShape = Shape<_1, _2, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+// Ping-pong: each consumer warpgroup owns a 128x128 tile, so one's epilogue overlaps the other's
+// MMAs (short reductions: the weight grad of small groups is bound by its output stores).
+struct PingPong {
+  using TileShape = Shape<_128, _128, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// One grouped GEMM configuration: D (row-major) = A @ B, float32 accumulation, no C operand.
+template <typename Element, typename LayoutA, typename LayoutB, typename Schedule = Cooperative>
+struct Config {
+  using TileShape = typename Schedule::TileShape;
+  using ClusterShape = typename Schedule::ClusterShape;
   static constexpr int kAlign = 8;  // 16 bytes of a 16-bit type: TMA needs K, N % 8 == 0
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -33,7 +52,7 @@ struct Config {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, cutlass::layout::RowMajor*, kAlign,     // no C
       Element, cutlass::layout::RowMajor*, kAlign,  // D
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      typename Schedule::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -41,7 +60,7 @@ struct Config {
       LayoutB*, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::KernelSchedule>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -197,11 +216,22 @@ ffi::Error forward(const GroupedGemmArgs& a, void* scratch, size_t scratch_size,
   return run_gemm<Cfg, Element>(d, n, arena, device, stream, "grouped_gemm (sm90)");
 }
 
-template <typename Element>
+// Average rows per group at or below which the weight grad runs the ping-pong kernel.
+constexpr int64_t kPingPongMaxRowsPerGroup = 512;
+
+// TURBO_MOE_WGRAD_SCHEDULE=cooperative|pingpong overrides the choice (for benchmarking).
+inline bool use_pingpong_weight_grad(const GroupedGemmArgs& a) {
+  const char* force = std::getenv("TURBO_MOE_WGRAD_SCHEDULE");
+  if (force != nullptr && std::string(force) == "cooperative") return false;
+  if (force != nullptr && std::string(force) == "pingpong") return true;
+  return a.M <= kPingPongMaxRowsPerGroup * a.G;
+}
+
+template <typename Element, typename Schedule>
 ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_size, int device,
                        cudaStream_t stream) {
   // A = lhs^T is (K x rows) with K contiguous: column-major; B = d_out rows, N contiguous.
-  using Cfg = Config<Element, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using Cfg = Config<Element, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Schedule>;
   const int64_t n = a.batch * a.G;
   ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
   auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
@@ -226,13 +256,15 @@ ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_s
                            : forward<ELEMENT, false>(a, s, sb, dev, st);                           \
   }                                                                                                \
   ffi::Error weight_grad_##SUFFIX(const GroupedGemmArgs& a, void* s, size_t sb, int dev, cudaStream_t st) { \
-    return weight_grad<ELEMENT>(a, s, sb, dev, st);                                                \
+    return use_pingpong_weight_grad(a) ? weight_grad<ELEMENT, PingPong>(a, s, sb, dev, st)         \
+                                       : weight_grad<ELEMENT, Cooperative>(a, s, sb, dev, st);     \
   }                                                                                                \
   size_t scratch_bytes_##SUFFIX(int64_t n, int dev) {                                              \
     using Fwd = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;             \
     using FwdT = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;         \
     using Wgrad = Config<ELEMENT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;        \
+    using WgradPP = Config<ELEMENT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, PingPong>; \
     return std::max({scratch_bytes<Fwd, ELEMENT>(n, dev), scratch_bytes<FwdT, ELEMENT>(n, dev),    \
-                     scratch_bytes<Wgrad, ELEMENT>(n, dev)});                                      \
+                     scratch_bytes<Wgrad, ELEMENT>(n, dev), scratch_bytes<WgradPP, ELEMENT>(n, dev)}); \
   }                                                                                                \
   }

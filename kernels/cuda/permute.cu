@@ -10,6 +10,7 @@
 //   4. one warp per slot copies the token's row; rows past the valid total are zero-filled.
 #include "block_scan.cuh"
 #include "common.cuh"
+#include "scratch.cuh"
 #include "row_copy.cuh"
 
 namespace turbo_moe {
@@ -130,9 +131,8 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   }
   const int64_t row_bytes = H * byte_width(x.element_type());
   const int64_t chunks = ceil_div(slots, kChunk), table = (E + 1) * chunks + 1;
-  auto mem = scratch.Allocate(batch * table * sizeof(int32_t), 256);
-  if (!mem.has_value()) return ffi::Error::Internal("permute: scratch allocation failed");
-  int32_t* counts = static_cast<int32_t*>(*mem);
+  int32_t* counts = static_cast<int32_t*>(allocate_scratch_aligned(scratch, batch * table * sizeof(int32_t)));
+  if (counts == nullptr) return ffi::Error::Internal("permute: scratch allocation failed");
   const int32_t* ids = expert_ids.typed_data();
   int32_t* rows = row_index->typed_data();
 

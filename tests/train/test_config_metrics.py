@@ -94,3 +94,11 @@ def test_run_result_roundtrip(tmp_path):
     assert loaded.history_frame().loc[0, "loss"] == 1.5
     with pytest.raises(ValueError, match="status"):
         RunResult(status="fine")
+
+
+def test_paths_are_stored_as_str(tmp_path):
+    tc = TrainConfig(dataset=tmp_path / "corpus.jsonl", checkpoint_dir=tmp_path / "ckpt", steps=5, warmup_steps=1)
+    assert tc.dataset == str(tmp_path / "corpus.jsonl") and isinstance(tc.checkpoint_dir, str)
+    import json
+
+    json.dumps(tc.to_dict())

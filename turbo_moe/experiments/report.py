@@ -22,7 +22,7 @@ import seaborn as sns
 
 from turbo_moe.experiments import figures, results
 
-MIN_CURVE_STEPS = 5
+MIN_CURVE_STEPS = 20  # shorter runs (throughput probes) are noise on a loss plot
 MANIFEST = "report.json"
 
 

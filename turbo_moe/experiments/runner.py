@@ -140,7 +140,7 @@ def run_point(spec: SweepSpec, point: SweepPoint, *, layout: SweepLayout, kernel
             status, error = rec_status, record.get("error") or error
     elif status == "ok" and spec.record:
         status, error = "error", f"the notebook finished but wrote no record at result_json={record_path}"
-    return build_row(spec, point, status, error, elapsed, record, layout, record_path, notebook_out)
+    return build_row(spec.name, point, status, error, elapsed, record, layout, record_path, notebook_out)
 
 
 def execute_notebook(spec: SweepSpec, params: dict[str, Any], notebook_out: Path, kernel: str) -> tuple[str, str | None]:
@@ -187,7 +187,7 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
 
 
 def build_row(
-    spec: SweepSpec,
+    sweep: str,
     point: SweepPoint,
     status: str,
     error: str | None,
@@ -195,11 +195,11 @@ def build_row(
     record: dict[str, Any] | None,
     layout: SweepLayout,
     record_path: Path,
-    notebook_out: Path,
+    notebook_out: Path | None,
 ) -> dict[str, Any]:
     """One results row: point parameters, status, summary fields, provenance and file paths."""
     row: dict[str, Any] = {
-        "sweep": spec.name, "point": point.name, "point_key": point.key, "status": status, "error": error,
+        "sweep": sweep, "point": point.name, "point_key": point.key, "status": status, "error": error,
     }
     row.update({k: v for k, v in point.params.items() if k not in row})
     summary = (record or {}).get("summary") or {}
@@ -209,7 +209,8 @@ def build_row(
     row.update(provenance((record or {}).get("provenance") or {}))
     row["elapsed_s"] = round(elapsed, 3)
     row["record"] = str(record_path.relative_to(layout.results_dir)) if record is not None else None
-    row["notebook_out"] = str(notebook_out)
+    # Relative to experiments/ so that committed tables do not carry one machine's absolute paths.
+    row["notebook_out"] = os.path.relpath(notebook_out, layout.results_dir.parent) if notebook_out else None
     return row
 
 

@@ -91,13 +91,16 @@ def _stack_stats(stats: list[LayerStats], n_experts: int) -> MoEStats:
 
 
 class DeepSeekModel(nnx.Module):
+    """Embedding -> n_layers DecoderBlocks (first n_dense_layers dense, rest MoE) -> RMSNorm -> head,
+    plus `mtp_depth` MTP modules chained on the final hidden state. Params float32, compute cfg.dtype."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=compute_dtype(cfg),
                                param_dtype=jnp.dtype(cfg.param_dtype),
-                               embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+                               embedding_init=nnx.initializers.normal(cfg.embedding_init_std), rngs=rngs)
         self.layers = nnx.List([DecoderBlock(cfg, i, rngs) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         self.head = None if cfg.tie_embeddings else linear(

@@ -11,7 +11,9 @@ from turbo_moe.train.loop import OutOfMemory, run
 from turbo_moe.train.metrics import PEAK_BF16_FLOPS, peak_flops
 from turbo_moe.train.result import STATUSES, RunResult
 from turbo_moe.train.step import (
+    Program,
     TrainState,
+    build_program,
     init_state,
     learning_rate_schedule,
     make_eval_step,
@@ -21,7 +23,7 @@ from turbo_moe.train.step import (
 )
 
 __all__ = [
-    "Checkpointer", "OutOfMemory", "PEAK_BF16_FLOPS", "RunResult", "STATUSES", "TrainConfig", "TrainState",
-    "init_state", "learning_rate_schedule", "make_eval_step", "make_mesh", "make_optimizer", "make_train_step",
-    "peak_flops", "run",
+    "Checkpointer", "OutOfMemory", "PEAK_BF16_FLOPS", "Program", "RunResult", "STATUSES", "TrainConfig",
+    "TrainState", "build_program", "init_state", "learning_rate_schedule", "make_eval_step", "make_mesh",
+    "make_optimizer", "make_train_step", "peak_flops", "run",
 ]

@@ -44,7 +44,7 @@ class TrainConfig:
     log_every: int = 1
     seed: int = 0
     data_dir: str | None = None  # None: $TURBO_MOE_DATA_DIR or ~/.cache/turbo_moe
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = None  # orbax checkpoints + run record; needed for resume
     checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
     keep_checkpoints: int = 2
     resume: bool = False
@@ -52,6 +52,10 @@ class TrainConfig:
     skip_steps_for_tgs: int = 3  # steps after compile excluded from TGS/MFU
 
     def __post_init__(self):
+        # Paths may be given as pathlib.Path; store str so the config stays JSON-serialisable.
+        for name in ("dataset", "data_dir", "checkpoint_dir"):
+            if isinstance(getattr(self, name), Path):
+                object.__setattr__(self, name, str(getattr(self, name)))
         _validate(self)
 
     def model_config(self) -> ModelConfig:
@@ -132,13 +136,17 @@ def _validate(c: TrainConfig) -> None:
         _require(_is_number(value) and 0 <= value <= 1, name, f"must be in [0, 1], got {value!r}")
     _require(_is_number(c.val_fraction) and 0 < c.val_fraction < 1, "val_fraction",
              f"must be in (0, 1), got {c.val_fraction!r}")
-    _require(isinstance(c.dataset, (str, Path)) and str(c.dataset) != "", "dataset",
+    _require(isinstance(c.dataset, str) and c.dataset != "", "dataset",
              f"must be 'shakespeare', 'synthetic' or a path, got {c.dataset!r}")
     _require(isinstance(c.text_field, str) and c.text_field != "", "text_field",
              f"must be a non-empty str, got {c.text_field!r}")
     for name in ("resume", "progress"):
         _require(isinstance(getattr(c, name), bool), name, f"must be a bool, got {getattr(c, name)!r}")
     _require(not c.resume or c.checkpoint_dir is not None, "resume", "resume=True needs a checkpoint_dir")
+    for name in ("data_dir", "checkpoint_dir"):
+        value = getattr(c, name)
+        _require(value is None or (isinstance(value, str) and value != ""), name,
+                 f"must be None or a non-empty path, got {value!r}")
     _require(isinstance(c.model, (str, ModelConfig)), "model",
              f"must be a preset name or a ModelConfig, got {type(c.model).__name__}")
     _require(isinstance(c.model_overrides, Mapping), "model_overrides",

@@ -24,7 +24,7 @@ from turbo_moe.train.checkpoint import Checkpointer
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.result import RunResult
 from turbo_moe.train.step import (
-    abstract_batch, device_batch, init_state, jit_steps, learning_rate_schedule, make_mesh, make_optimizer)
+    abstract_batch, build_program, device_batch, learning_rate_schedule, make_mesh, make_optimizer)
 
 
 class OutOfMemory(MemoryError):
@@ -78,13 +78,12 @@ class _Trainer:
     def train(self) -> None:
         tc, history = self.tc, self.result.history
         mesh = make_mesh()
-        tx = make_optimizer(tc)
+        program = build_program(self.model_cfg, make_optimizer(tc), mesh)
         self.phase = "initialisation"
-        graphdef, state = init_state(self.model_cfg, tx, tc.seed, mesh)
-        state = self._maybe_resume(state)
-        train_step, eval_step = jit_steps(graphdef, tx, self.model_cfg.router_bias_rate, state, mesh)
+        state = self._maybe_resume(program.init(jax.random.key(tc.seed)))
+        eval_step = program.evaluate
         self.phase = "compilation"
-        compiled = self._compile(train_step, state, mesh)
+        compiled = self._compile(program.train, state, mesh)
         if self.start_step >= tc.steps:
             return
         proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -128,13 +127,14 @@ class _Trainer:
                 t_prev = time.perf_counter()  # evaluation/checkpointing are not part of step time
 
     def _row(self, step: int, m: dict, step_time: float) -> dict[str, Any]:
-        mean_ratio, worst_ratio, _ = M.load_imbalance(m["expert_load"])
+        mean_ratio, worst_ratio, per_layer = M.load_imbalance(m["expert_load"])
         return {
             "step": step, "loss": float(m["loss"]), "ce_loss": float(m["ce_loss"]),
             "mtp_loss": float(m["mtp_loss"]), "balance_loss": float(m["balance_loss"]),
             "eval_loss": math.nan, "step_time_s": step_time, "tgs": self.tokens_per_device / step_time,
             "dropped_fraction": float(m["dropped_fraction"]), "load_max_over_mean": mean_ratio,
-            "load_max_over_mean_worst_layer": worst_ratio, "lr": float(self.schedule(step)),
+            "load_max_over_mean_worst_layer": worst_ratio, "load_max_over_mean_per_layer": per_layer,
+            "lr": float(self.schedule(step)),
             "grad_norm": float(m["grad_norm"]),
         }
 
@@ -189,10 +189,11 @@ class _Trainer:
         asked = M.requested_bytes(str(error))
         self.result.summary["oom_requested_bytes"] = asked
         device = jax.devices()[0].device_kind
-        return (f"out of memory during {self.phase}: model {self.tc.model if isinstance(self.tc.model, str) else 'custom'}"
-                f" ({self.model_cfg.moe_path}), per_device_batch={self.tc.per_device_batch} x seq_len={self.seq_len}"
-                f" on {self.n_devices} x {device}; asked for "
-                f"{asked if asked is not None else 'an unknown number of'} bytes. {str(error)[:600]}")
+        model = self.tc.model if isinstance(self.tc.model, str) else "custom"
+        asked_text = f"{asked} bytes" if asked is not None else "an unknown number of bytes"
+        return (f"out of memory during {self.phase}: model {model} ({self.model_cfg.moe_path}), "
+                f"per_device_batch={self.tc.per_device_batch} x seq_len={self.seq_len} on {self.n_devices} x "
+                f"{device}; asked for {asked_text}. {str(error)[:600]}")
 
     def close(self) -> None:
         if self.pbar is not None:

@@ -17,7 +17,13 @@ class RunResult:
 
     history: one dict per logged step (step, loss, ce_loss, eval_loss (NaN when not evaluated),
     step_time_s, tgs, dropped_fraction, load_max_over_mean, lr, grad_norm, ...).
-    summary: run-level figures (tgs, mfu, peak memory with its source, ...); see `run`.
+    summary: run-level figures — tgs (tokens/device/s over the steps after `skip_steps_for_tgs`,
+    total tokens / total time), tgs_steps, step_time_s, mfu with peak_flops and peak_flops_source,
+    flops_per_token, peak_memory_bytes with memory_source, compiled_temp_bytes / compiled_total_bytes /
+    compiled_memory (XLA's analysis of the step, per device), device_memory_limit_bytes (+ source),
+    final_loss, final_eval_loss, dropped_fraction_mean, load_max_over_mean_mean, params_total,
+    params_active, steps_done, resumed_from_step, compile_time_s, n_devices, per_device_batch, seq_len,
+    moe_path, and oom_requested_bytes for status "oom".
     expert_load: (L_moe, E) token copies per expert at the last step, as nested lists.
     """
 

@@ -8,6 +8,8 @@ its layers cast the float32 params at use.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -49,12 +51,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
     """Linear warm-up from 0 to the peak, cosine decay to min_lr_ratio * peak at schedule_steps."""
-    peak = tc.learning_rate
-    if tc.warmup_steps >= tc.schedule_steps:
-        return optax.linear_schedule(0.0, peak, max(tc.warmup_steps, 1))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=peak, warmup_steps=tc.warmup_steps,
-        decay_steps=tc.schedule_steps, end_value=peak * tc.min_lr_ratio)
+    return _schedule(tc.learning_rate, tc.warmup_steps, tc.schedule_steps, tc.min_lr_ratio)
+
+
+def _schedule(peak: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> optax.Schedule:
+    if warmup_steps >= total_steps:
+        return optax.linear_schedule(0.0, peak, max(warmup_steps, 1))
+    return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup_steps,
+                                              decay_steps=total_steps, end_value=peak * min_lr_ratio)
 
 
 def _decay_mask(params):
@@ -63,28 +67,36 @@ def _decay_mask(params):
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    adamw = optax.adamw(learning_rate_schedule(tc), b1=tc.adam_b1, b2=tc.adam_b2, eps=1e-8,
-                        weight_decay=tc.weight_decay, mask=_decay_mask)
-    if tc.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
+    """AdamW (+ global-norm clipping). The same object for the same hyper-parameters, so that
+    `build_program`'s cache (keyed on it) hits across runs."""
+    return _optimizer(tc.learning_rate, tc.warmup_steps, tc.schedule_steps, tc.min_lr_ratio, tc.weight_decay,
+                      tc.adam_b1, tc.adam_b2, tc.grad_clip)
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer(peak, warmup_steps, total_steps, min_lr_ratio, weight_decay, b1, b2, grad_clip):
+    adamw = optax.adamw(_schedule(peak, warmup_steps, total_steps, min_lr_ratio), b1=b1, b2=b2, eps=1e-8,
+                        weight_decay=weight_decay, mask=_decay_mask)
+    if grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
     return adamw
+
+
+def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation):
+    def new_model(key) -> DeepSeekModel:
+        return DeepSeekModel(model_cfg, rngs=nnx.Rngs(key))
+
+    def create(key) -> TrainState:
+        _, params, extra = nnx.split(new_model(key), nnx.Param, ...)
+        return TrainState(jnp.zeros((), jnp.int32), params, extra, tx.init(params))
+
+    return new_model, create
 
 
 def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh):
     """Initialise the model and optimizer, replicated over the mesh. Returns (graphdef, TrainState)."""
-    def new_model() -> DeepSeekModel:
-        return DeepSeekModel(model_cfg, rngs=nnx.Rngs(seed))
-
-    def create() -> TrainState:
-        _, params, extra = nnx.split(new_model(), nnx.Param, ...)
-        return TrainState(jnp.zeros((), jnp.int32), params, extra, tx.init(params))
-
-    graphdef = nnx.split(nnx.eval_shape(new_model), nnx.Param, ...)[0]  # structure only, no allocation
-    abstract = jax.eval_shape(create)
-    sharding = jax.tree.map(lambda _: replicated(mesh), abstract)
-    # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
-    state = jax.jit(create, out_shardings=sharding)()
-    return graphdef, state
+    program = build_program(model_cfg, tx, mesh)
+    return program.graphdef, program.init(jax.random.key(seed))
 
 
 def _merge(graphdef, params, extra) -> DeepSeekModel:
@@ -95,18 +107,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, bias_rate: float
     """(state, batch) -> (state, metrics). batch: {"inputs","targets"} (B, S) int32, sharded on B."""
 
     def train_step(state: TrainState, batch: dict):
-        def loss_fn(params):
-            loss, metrics = lm_loss(_merge(graphdef, params, state.extra), batch)
-            return loss, metrics
-
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        # nnx.value_and_grad (not jax's) so the model's nnx.remat blocks see a consistent trace context;
+        # DiffState restricts the gradient to nnx.Param (router biases are not trained by gradient).
+        grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
+        (_, metrics), grads = grad_fn(_merge(graphdef, state.params, state.extra), batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # Aux-loss-free balancing: bias moves by sign(mean load - load) after the weight update.
         model = _merge(graphdef, params, state.extra)
         update_router_bias(model, jax.lax.stop_gradient(metrics["expert_load"]), bias_rate)
         _, _, extra = nnx.split(model, nnx.Param, ...)
-        metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, extra, opt_state), metrics
 
     return train_step
@@ -122,15 +133,35 @@ def make_eval_step(graphdef) -> Callable:
     return eval_step
 
 
-def jit_steps(graphdef, tx, bias_rate: float, state: TrainState, mesh: Mesh):
-    """Jitted train step (state donated) and eval step with explicit shardings."""
-    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything jitted for one (model config, optimizer, mesh): built once, reused across runs.
+
+    Reuse matters for notebooks and sweeps that call `run` repeatedly with the same shapes: the jitted
+    functions keep their trace and executable caches, so later runs skip tracing and compilation.
+    """
+
+    graphdef: Any
+    init: Callable  # key -> TrainState, replicated over the mesh
+    train: Callable  # (state, batch) -> (state, metrics), state donated
+    evaluate: Callable  # (state, batch) -> {"ce_loss", "loss"}
+
+
+@functools.lru_cache(maxsize=4)
+def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh) -> Program:
+    new_model, create = _init_fn(model_cfg, tx)
+    key = jax.random.key(0)
+    graphdef = nnx.split(nnx.eval_shape(lambda: new_model(key)), nnx.Param, ...)[0]  # no allocation
+    state_sharding = jax.tree.map(lambda _: replicated(mesh), jax.eval_shape(create, key))
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
-    train = jax.jit(make_train_step(graphdef, tx, bias_rate), in_shardings=(state_sharding, data_sharding),
+    # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
+    init = jax.jit(create, out_shardings=state_sharding)
+    train = jax.jit(make_train_step(graphdef, tx, model_cfg.router_bias_rate),
+                    in_shardings=(state_sharding, data_sharding),
                     out_shardings=(state_sharding, replicated(mesh)), donate_argnums=0)
     evaluate = jax.jit(make_eval_step(graphdef), in_shardings=(state_sharding, data_sharding),
                        out_shardings=replicated(mesh))
-    return train, evaluate
+    return Program(graphdef, init, train, evaluate)
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> dict:

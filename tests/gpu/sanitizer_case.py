@@ -1,0 +1,51 @@
+"""A small run of every CUDA handler with empty groups, for `compute-sanitizer --tool memcheck`.
+
+    JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD \
+        compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitizer_case.py
+Prints one line per op with its max abs error against a float64 reference.
+"""
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from tests.gpu import reference as ref
+from turbo_moe import ops
+
+
+def main():
+    rng = np.random.default_rng(0)
+    gpu = jax.devices("gpu")[0]
+    M, K, N = 300, 64, 72
+    sizes = np.array([0, 120, 0, 0, 100, 0, 30], np.int32)  # empty groups; sum < M
+    for dtype in (jnp.bfloat16, jnp.float32):  # the Hopper kernel and the portable one
+        lhs = jax.device_put(jnp.asarray(rng.standard_normal((M, K)), dtype), gpu)
+        rhs = jax.device_put(jnp.asarray(rng.standard_normal((len(sizes), K, N)) / 8, dtype), gpu)
+        d_out = jax.device_put(jnp.asarray(rng.standard_normal((M, N)), dtype), gpu)
+        gs = jax.device_put(jnp.asarray(sizes), gpu)
+        out = ops.grouped_gemm(lhs, rhs, gs)
+        dgrad = ops.grouped_gemm(d_out, rhs, gs, transpose_rhs=True)
+        wgrad = ops.grouped_gemm_weight_grad(lhs, d_out, gs)
+        f32 = lambda a: np.asarray(a, np.float64)
+        e1 = np.abs(f32(out) - ref.grouped_gemm(f32(lhs), f32(rhs), sizes)).max()
+        e2 = np.abs(f32(dgrad) - ref.grouped_gemm(f32(d_out), f32(rhs), sizes, transpose_rhs=True)).max()
+        e3 = np.abs(f32(wgrad) - ref.weight_grad(f32(lhs), f32(d_out), sizes)).max()
+        print(f"grouped_gemm {jnp.dtype(dtype).name}: fwd {e1:.3g} dgrad {e2:.3g} wgrad {e3:.3g}", flush=True)
+
+    T, H, k, E = 200, 40, 3, 8
+    ids = rng.integers(0, E - 3, size=(T, k)).astype(np.int32)  # experts 5..7 stay empty
+    ids[0, 0], ids[1, 2] = -1, E  # dropped copies
+    x = jax.device_put(jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16), gpu)
+    w = jax.device_put(jnp.asarray(rng.random((T, k)), jnp.float32), gpu)
+    x_sorted, group_sizes, handle = ops.permute(x, jnp.asarray(ids), E)
+    y, vjp = jax.vjp(lambda a, b: ops.unpermute(a, handle, b), x_sorted, w)
+    d_y, d_w = vjp(jnp.ones_like(y))
+    ex, es, er = ref.permute(np.asarray(x, np.float64), ids, E)
+    print("permute exact:", np.array_equal(np.asarray(x_sorted, np.float64), ex)
+          and np.array_equal(np.asarray(group_sizes), es) and np.array_equal(np.asarray(handle.row_index), er))
+    print("unpermute max err:", float(np.abs(np.asarray(y, np.float64) - ref.unpermute(ex, er, np.asarray(w))).max()),
+          "bwd finite:", bool(np.isfinite(np.asarray(d_y, np.float32)).all() and np.isfinite(np.asarray(d_w)).all()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Full-size budgets per MoE path: parameters, training FLOPs and memory per device for a mesh.
+
+Used by ``03_full_deepseek`` for the exact DeepSeek-V3-671B config, where nothing can be allocated.
+The estimates are analytic and state their assumptions:
+
+- Training states (AdamW): parameters and gradients in ``param_dtype`` plus two float32 moments.
+  Routed-expert weights are split over ``expert x tensor x pipeline``, the other weights over
+  ``tensor x pipeline``; with ``fsdp`` both are further split over ``data`` (ZeRO-3 style).
+- Activations for ``per_device_batch`` sequences: with ``remat_policy="full"`` each layer keeps its input
+  and one layer's working set is live at a time; otherwise every layer keeps its working set. Layers
+  are split over ``pipeline``; a layer's working set over ``tensor``.
+- The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
+  one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included);
+  ``ragged``/``turbo`` hold the B S k sorted token copies only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pandas as pd
+
+from turbo_moe.model import ModelConfig, count_params, flops_per_token
+
+GIB = 1024**3
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PATHS = ("dense_cf", "ragged", "turbo")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Device mesh of a hypothetical run: data (DP/FSDP) x expert (EP) x tensor (TP) x pipeline (PP)."""
+
+    data: int = 1
+    expert: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    fsdp: bool = True
+
+    def __post_init__(self):
+        for name in ("data", "expert", "tensor", "pipeline"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MeshShape.{name}: must be a positive int, got {value!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.expert * self.tensor * self.pipeline
+
+
+def n_moe_layers(cfg: ModelConfig) -> int:
+    """MoE layers of the main model plus one per MTP module (each MTP block has an MoE FFN)."""
+    return cfg.n_layers - cfg.n_dense_layers + cfg.mtp_depth
+
+
+def routed_expert_params(cfg: ModelConfig) -> int:
+    """Parameters of all routed experts: gate, up and down projections, (D, F) each."""
+    return n_moe_layers(cfg) * cfg.n_experts * 3 * cfg.d_model * cfg.moe_ffn_dim
+
+
+def param_budget(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts from the model itself (abstract shapes), split into routed experts and the rest."""
+    counts = count_params(cfg)
+    routed = routed_expert_params(cfg)
+    return {"total (main)": counts["total"], "active per token": counts["active"],
+            "allocated (with MTP)": counts["total_with_mtp"], "routed experts": routed,
+            "other": counts["total_with_mtp"] - routed}
+
+
+def capacity(cfg: ModelConfig, seq_len: int) -> int:
+    """dense_cf slots per expert per sequence (MaxText's rule, as ``moe_dense_cf.expert_capacity``)."""
+    cf = cfg.capacity_factor
+    return int(max(math.ceil(seq_len * cfg.top_k / cfg.n_experts) * cf, cf))
+
+
+def flops_per_token_by_path(
+    cfg: ModelConfig, seq_len: int, path: str, *, useful: float | None = None
+) -> dict[str, float]:
+    """Training FLOPs per token: the useful model FLOPs, and what the path actually executes.
+
+    ``useful`` (``flops_per_token(cfg, seq_len)``, the same for every path) may be passed to skip
+    rebuilding the abstract model.
+    """
+    _check_path(path)
+    useful = flops_per_token(cfg, seq_len) if useful is None else useful
+    expert = 6.0 * n_moe_layers(cfg) * cfg.top_k * 3 * cfg.d_model * cfg.moe_ffn_dim  # routed, dropless
+    executed = useful
+    if path == "dense_cf" and cfg.capacity_factor > 0:
+        slots_per_token = cfg.n_experts * capacity(cfg, seq_len) / seq_len  # E*C/S rows per token
+        executed += expert * (slots_per_token / cfg.top_k - 1.0)  # padded slots run too
+        # One-hot dispatch and combine einsums: (S, E*C) x (S, D) each, fwd + 2 bwd matmuls.
+        executed += n_moe_layers(cfg) * 2 * 3 * 2.0 * cfg.n_experts * capacity(cfg, seq_len) * cfg.d_model
+    return {"useful": useful, "executed": executed}
+
+
+def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape) -> float:
+    """AdamW training states per device: params + grads (param_dtype) + two float32 moments."""
+    per_param = 2 * _BYTES[cfg.param_dtype] + 8
+    budget = param_budget(cfg)
+    data_split = mesh.data if mesh.fsdp else 1
+    routed = budget["routed experts"] / (mesh.expert * mesh.tensor * mesh.pipeline * data_split)
+    other = budget["other"] / (mesh.tensor * mesh.pipeline * data_split * (mesh.expert if mesh.fsdp else 1))
+    return per_param * (routed + other)
+
+
+def moe_working_set_bytes(cfg: ModelConfig, path: str, per_device_batch: int, seq_len: int) -> float:
+    """Live bytes of one MoE layer's forward for ``per_device_batch`` sequences (compute dtype)."""
+    _check_path(path)
+    b, s, d, f, e, k = per_device_batch, seq_len, cfg.d_model, cfg.moe_ffn_dim, cfg.n_experts, cfg.top_k
+    act = _BYTES[cfg.dtype]
+    if path == "dense_cf" and cfg.capacity_factor > 0:
+        c = capacity(cfg, s)
+        masks = b * s * e * c * (act + 4)  # dispatch (compute dtype) + combine (float32)
+        rows = e * b * c  # dispatched slots, padding included
+    else:
+        masks = b * s * k * 4 * 2  # sort indices and row map (int32)
+        rows = b * s * k  # sorted token copies
+    # rows x (D in, 2F gate/up, F activation, D out)
+    return masks + rows * (2 * d + 3 * f) * act
+
+
+def attention_working_set_bytes(cfg: ModelConfig, per_device_batch: int, seq_len: int) -> float:
+    """One attention layer: q, k, v, output, plus (B, H, S, S) float32 scores for the XLA impl."""
+    b, s, h = per_device_batch, seq_len, cfg.n_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    tensors = b * s * h * (2 * qk + 2 * cfg.v_head_dim) * _BYTES[cfg.dtype]
+    scores = b * h * s * s * 4 if cfg.attention_impl == "xla" else 0
+    return tensors + scores
+
+
+def activation_bytes_per_device(
+    cfg: ModelConfig, path: str, mesh: MeshShape, per_device_batch: int, seq_len: int
+) -> dict[str, float]:
+    """Activation memory per device: saved layer state, one layer's working set, and the logits."""
+    layers = math.ceil((cfg.n_layers + cfg.mtp_depth) / mesh.pipeline)
+    moe = moe_working_set_bytes(cfg, path, per_device_batch, seq_len) / mesh.tensor
+    attn = attention_working_set_bytes(cfg, per_device_batch, seq_len) / mesh.tensor
+    layer_input = per_device_batch * seq_len * cfg.d_model * _BYTES[cfg.dtype]
+    working = moe + attn
+    saved = layers * (layer_input if cfg.remat_policy == "full" else working)
+    logits = per_device_batch * seq_len * cfg.vocab_size * 4 * (1 + cfg.mtp_depth) * 2 / mesh.tensor  # + grads
+    return {"saved layers": saved, "live layer": working, "logits": logits}
+
+
+def full_model_table(
+    cfg: ModelConfig, mesh: MeshShape, per_device_batch: int, seq_len: int, paths=PATHS
+) -> pd.DataFrame:
+    """One row per path: FLOPs per token and memory per device (GiB) for this mesh."""
+    states = state_bytes_per_device(cfg, mesh)
+    useful = flops_per_token(cfg, seq_len)  # path-independent; the abstract model is built once
+    rows = []
+    for path in paths:
+        path_cfg = cfg.replace(moe_path=path)
+        flops = flops_per_token_by_path(path_cfg, seq_len, path, useful=useful)
+        acts = activation_bytes_per_device(path_cfg, path, mesh, per_device_batch, seq_len)
+        rows.append({
+            "path": path,
+            "useful GFLOP/token": flops["useful"] / 1e9,
+            "executed GFLOP/token": flops["executed"] / 1e9,
+            "states GiB/device": states / GIB,
+            "MoE layer working set GiB": moe_working_set_bytes(path_cfg, path, per_device_batch, seq_len) / GIB,
+            "activations GiB/device": sum(acts.values()) / GIB,
+            "total GiB/device": (states + sum(acts.values())) / GIB,
+        })
+    return pd.DataFrame(rows).set_index("path")
+
+
+def experts_that_fit(cfg: ModelConfig, memory_bytes: float, per_device_batch: int, seq_len: int,
+                     *, headroom: float = 0.8) -> int:
+    """Most routed experts (a multiple of n_groups, a valid config) whose single-device run fits.
+
+    Single device: nothing is sharded; ``headroom`` leaves room for XLA temporaries. 0 if none fits.
+    """
+    best = 0
+    for n in range(cfg.n_groups, cfg.n_experts + 1, cfg.n_groups):
+        try:
+            trial = cfg.replace(n_experts=n)
+        except ValueError:  # too few experts for top_k within the selected groups
+            continue
+        need = _single_device_bytes(trial, per_device_batch, seq_len)
+        if need <= headroom * memory_bytes:
+            best = n
+    return best
+
+
+def _single_device_bytes(cfg: ModelConfig, per_device_batch: int, seq_len: int) -> float:
+    per_param = 2 * _BYTES[cfg.param_dtype] + 8
+    main = cfg.n_layers - cfg.n_dense_layers
+    # Analytic count (no model build): routed experts + the rest scaled from the preset's own count.
+    routed = routed_expert_params(cfg)
+    other = _other_params_estimate(cfg, main)
+    acts = activation_bytes_per_device(cfg, cfg.moe_path, MeshShape(), per_device_batch, seq_len)
+    return per_param * (routed + other) + sum(acts.values())
+
+
+def _other_params_estimate(cfg: ModelConfig, n_moe_main: int) -> float:
+    """Non-routed parameters: embedding/head, attention, shared experts, dense FFNs, routers."""
+    d = cfg.d_model
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = (d * cfg.q_lora_rank + cfg.q_lora_rank * cfg.n_heads * qk) if cfg.q_lora_rank else d * cfg.n_heads * qk
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * cfg.n_heads * (
+        cfg.qk_nope_head_dim + cfg.v_head_dim)
+    attention = q + kv + cfg.n_heads * cfg.v_head_dim * d
+    blocks = cfg.n_layers + cfg.mtp_depth
+    moe_blocks = n_moe_main + cfg.mtp_depth
+    shared = moe_blocks * cfg.n_shared_experts * 3 * d * cfg.moe_ffn_dim + moe_blocks * cfg.n_experts * d
+    dense = cfg.n_dense_layers * 3 * d * cfg.dense_ffn_dim
+    embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    mtp_proj = cfg.mtp_depth * 2 * d * d
+    return embed + blocks * attention + shared + dense + mtp_proj
+
+
+def _check_path(path: str) -> None:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
