@@ -4,7 +4,6 @@
 // by the grouped_gemm_sm90_*.cu instance files, which are compiled for sm_90a alone.
 #pragma once
 
-#include <cstdlib>
 #include <string>
 
 #include "cute/tensor.hpp"
@@ -24,20 +23,14 @@ namespace turbo_moe::sm90 {
 using namespace cute;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 
-// Cooperative: two consumer warpgroups share a 128x256 tile (long reductions: forward, dgrad).
+// Cooperative schedule: two consumer warpgroups share a 128x256 tile; a 1x2 cluster multicasts
+// the lhs tile to the two CTAs of neighbouring N tiles. (A ping-pong 128x128 weight-grad variant
+// measured slower on every benchmark shape: benchmarks/gpu_notes.md.)
 struct Cooperative {
   using TileShape = Shape<_128, _256, _64>;
   using ClusterShape = Shape<_1, _2, _1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-// Ping-pong: each consumer warpgroup owns a 128x128 tile, so one's epilogue overlaps the other's
-// MMAs (short reductions: the weight grad of small groups is bound by its output stores).
-struct PingPong {
-  using TileShape = Shape<_128, _128, _64>;
-  using ClusterShape = Shape<_2, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
 // One grouped GEMM configuration: D (row-major) = A @ B, float32 accumulation, no C operand.
@@ -216,22 +209,11 @@ ffi::Error forward(const GroupedGemmArgs& a, void* scratch, size_t scratch_size,
   return run_gemm<Cfg, Element>(d, n, arena, device, stream, "grouped_gemm (sm90)");
 }
 
-// Average rows per group at or below which the weight grad runs the ping-pong kernel.
-constexpr int64_t kPingPongMaxRowsPerGroup = 512;
-
-// TURBO_MOE_WGRAD_SCHEDULE=cooperative|pingpong overrides the choice (for benchmarking).
-inline bool use_pingpong_weight_grad(const GroupedGemmArgs& a) {
-  const char* force = std::getenv("TURBO_MOE_WGRAD_SCHEDULE");
-  if (force != nullptr && std::string(force) == "cooperative") return false;
-  if (force != nullptr && std::string(force) == "pingpong") return true;
-  return a.M <= kPingPongMaxRowsPerGroup * a.G;
-}
-
-template <typename Element, typename Schedule>
+template <typename Element>
 ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_size, int device,
                        cudaStream_t stream) {
   // A = lhs^T is (K x rows) with K contiguous: column-major; B = d_out rows, N contiguous.
-  using Cfg = Config<Element, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Schedule>;
+  using Cfg = Config<Element, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   const int64_t n = a.batch * a.G;
   ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
   auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
@@ -256,15 +238,13 @@ ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_s
                            : forward<ELEMENT, false>(a, s, sb, dev, st);                           \
   }                                                                                                \
   ffi::Error weight_grad_##SUFFIX(const GroupedGemmArgs& a, void* s, size_t sb, int dev, cudaStream_t st) { \
-    return use_pingpong_weight_grad(a) ? weight_grad<ELEMENT, PingPong>(a, s, sb, dev, st)         \
-                                       : weight_grad<ELEMENT, Cooperative>(a, s, sb, dev, st);     \
+    return weight_grad<ELEMENT>(a, s, sb, dev, st);                                                \
   }                                                                                                \
   size_t scratch_bytes_##SUFFIX(int64_t n, int dev) {                                              \
     using Fwd = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;             \
     using FwdT = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;         \
     using Wgrad = Config<ELEMENT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;        \
-    using WgradPP = Config<ELEMENT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, PingPong>; \
     return std::max({scratch_bytes<Fwd, ELEMENT>(n, dev), scratch_bytes<FwdT, ELEMENT>(n, dev),    \
-                     scratch_bytes<Wgrad, ELEMENT>(n, dev), scratch_bytes<WgradPP, ELEMENT>(n, dev)}); \
+                     scratch_bytes<Wgrad, ELEMENT>(n, dev)});                                      \
   }                                                                                                \
   }

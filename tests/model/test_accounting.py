@@ -25,9 +25,11 @@ def closed_form_counts(c):
             "mtp": mtp_own + embedding + head, "mtp_own": mtp_own}
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "reduced"])
-def test_counts_match_closed_form(name):
-    cfg = get_config(name)
+@pytest.mark.parametrize("name, overrides", [
+    ("tiny", {}), ("tiny", dict(q_lora_rank=0, tie_embeddings=True, mtp_depth=2, n_shared_experts=2)),
+    ("small", {}), ("reduced", {})])
+def test_counts_match_closed_form(name, overrides):
+    cfg = get_config(name, **overrides)
     counts = count_params(cfg)
     for key, value in closed_form_counts(cfg).items():
         assert counts[key] == value, key

@@ -15,6 +15,7 @@ from turbo_moe.model.router import Routing, route
 TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=5e-2, atol=3e-2)}
 
 
+@jax.jit
 def reference_experts(x, routing, weights):
     """y[t] = sum_j w[t, j] * SwiGLU_{e[t, j]}(x[t]), gathering each copy's expert weights (float32)."""
     b, s, d = x.shape
@@ -51,6 +52,13 @@ def path_loss_and_grads(fn, x, routing, weights, cotangent, dtype):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, routing.weights, weights)
 
 
+@functools.lru_cache(maxsize=None)
+def reference_loss_and_grads(dtype):
+    """Reference value and gradients for make_case(), computed once per dtype."""
+    reference = lambda *args: (reference_experts(*args), None)
+    return path_loss_and_grads(reference, *make_case(), dtype)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("path", ALL_PATHS)
 def test_paths_match_reference_outputs_and_grads(path, dtype):
@@ -65,8 +73,7 @@ def test_paths_match_reference_outputs_and_grads(path, dtype):
     assert float(stats.dropped_fraction) == 0.0
 
     got = path_loss_and_grads(fn, x, routing, weights, cotangent, dtype)
-    reference = lambda *args: (reference_experts(*args), None)
-    want = path_loss_and_grads(reference, x, routing, weights, cotangent, dtype)
+    want = reference_loss_and_grads(dtype)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         scale = float(jnp.max(jnp.abs(w))) or 1.0
         np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, **TOLERANCE[dtype])
@@ -114,7 +121,7 @@ def test_dense_cf_drops_exactly_the_maxtext_overflow(cf, kept):
     np.testing.assert_array_equal(stats.expert_load, [2, 3, 2, 1])  # load counts routed copies, dropped or not
 
     # A token whose copies all dropped gets no gradient through the routed experts.
-    grad_x = jax.grad(lambda x: jnp.sum(fn(x, routing, weights)[0]))(x)
+    grad_x = jax.jit(jax.grad(lambda x: jnp.sum(fn(x, routing, weights)[0])))(x)
     fully_dropped = np.asarray(kept[0].sum(-1) == 0)
     assert np.all(np.asarray(grad_x[0])[fully_dropped] == 0.0)
     assert np.all(np.abs(np.asarray(grad_x[0])[~fully_dropped]).sum(-1) > 0.0)

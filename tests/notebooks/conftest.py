@@ -1,4 +1,4 @@
-"""Fixtures for notebook tests: a Jupyter kernel for this interpreter, papermill and nbval runners.
+"""Fixture for notebook tests: a Jupyter kernel for this interpreter (runners are in nbhelpers.py).
 
 Each notebook is papermill-executed once with tiny parameters (as a sweep would), then nbval re-runs
 the executed copy (``--nbval-lax``: only cells marked ``# NBVAL_CHECK_OUTPUT`` are compared, through
@@ -7,15 +7,12 @@ the executed copy (``--nbval-lax``: only cells marked ``# NBVAL_CHECK_OUTPUT`` a
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = REPO / "notebooks"
-SANITIZE = Path(__file__).parent / "sanitize.cfg"
 TEST_KERNEL = "turbo-moe-test"
 
 
@@ -34,23 +31,9 @@ def kernel(tmp_path_factory):
         # The kernel must import this checkout of turbo_moe and draw without a display.
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         mp.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        # tests/conftest.py fakes 8 host devices for multi-device tests; a notebook kernel should see
+        # one CPU device, like a user's session (8 devices would multiply the global batch by 8).
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        mp.setenv("XLA_FLAGS", " ".join(flags))
         yield TEST_KERNEL
-
-
-def execute(notebook: str, out_dir: Path, kernel: str, **parameters) -> Path:
-    """papermill-execute ``notebooks/<notebook>`` with ``parameters``; returns the executed copy."""
-    import papermill
-
-    out = out_dir / notebook
-    papermill.execute_notebook(str(NOTEBOOKS / notebook), str(out), parameters=parameters,
-                               kernel_name=kernel, cwd=str(NOTEBOOKS), progress_bar=False)
-    return out
-
-
-def nbval(executed: Path) -> subprocess.CompletedProcess:
-    """Re-run an executed notebook under nbval (lax mode) in a fresh pytest process."""
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-current-env",
-         "--nbval-sanitize-with", str(SANITIZE), str(executed)],
-        cwd=executed.parent, capture_output=True, text=True, timeout=600,
-    )

@@ -46,7 +46,7 @@ def loss_sweep(rng):
         name = f"moe_path-{path}" + (f"__capacity_factor-{cf}" if cf else "")
         steps = np.arange(1, 41)
         loss = 5.5 * np.exp(-steps / (15 + 3 * i)) + 1.5 + 0.02 * rng.standard_normal(40)
-        history = [{"step": int(s), "loss": float(l), "eval_loss": float(l + 0.1) if s % 10 == 0 else float("nan"),
+        history = [{"step": int(s), "loss": float(l) + 0.3, "ce_loss": float(l), "eval_loss": float(l + 0.1) if s % 10 == 0 else float("nan"),
                     "tgs": 1000.0, "dropped_fraction": (0.2 / cf) * math.exp(-s / 30) if cf else 0.0}
                    for s, l in zip(steps, loss)]
         record = {"status": "ok", "error": None, "history": history,
@@ -70,11 +70,20 @@ def data_sweep():
 
 
 def kernel_table():
-    lines = ["shape,routing,op,impl,ms,tflops,device_kind,date,git_commit"]
-    for shape in ("4096x7168x2048_g8", "16384x7168x2048_g32"):
+    """Layout of benchmarks/grouped_gemm.py: dense rows have routing "-"; a skipped baseline has no ms."""
+    lines = ["shape,M,K,N,G,routing,op,impl,ms,tflops,status,device,commit,date"]
+    for shape in ("dsv3_gate_up_G32_M32768", "dsv3_down_G32_M32768"):
         for op in ("fwd", "dgrad", "wgrad"):
-            for impl, tf in (("turbo", 550), ("ragged_dot", 300), ("dense_cublas", 700)):
-                lines.append(f"{shape},balanced,{op},{impl},1.0,{tf},NVIDIA H100 80GB HBM3,2026-11-21,abc1234567")
+            lines.append(f"{shape},32768,7168,4096,32,-,{op},dense,1.0,700,ok,NVIDIA H100 80GB HBM3,abc1234,2026-11-21T20:00Z")
+            for routing, factor in (("balanced", 1.0), ("skewed", 0.9)):
+                lines.append(f"{shape},32768,7168,4096,32,{routing},{op},turbo,1.0,{550 * factor},ok,"
+                             "NVIDIA H100 80GB HBM3,abc1234,2026-11-21T20:00Z")
+                lines.append(f"{shape},32768,7168,4096,32,{routing},{op},pallas,1.0,{300 * factor},ok,"
+                             "NVIDIA H100 80GB HBM3,abc1234,2026-11-21T20:00Z")
+        lines.append(f"{shape},32768,7168,4096,32,balanced,fwd,ragged_dot,,,skipped: dense expansion,"
+                     "NVIDIA H100 80GB HBM3,abc1234,2026-11-21T20:00Z")
+    lines.append("T4096_H7168_k8_E256,32768,7168,8,256,uniform,permute,turbo,0.5,,ok,NVIDIA H100 80GB HBM3,abc1234,"
+                 "2026-11-21T20:00Z")
     (OUT / "kernels_h100.csv").write_text("\n".join(lines) + "\n")
 
 

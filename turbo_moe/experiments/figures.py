@@ -42,15 +42,21 @@ def _unique(values: Iterable[object]) -> str:
 
 def add_provenance(fig: plt.Figure, rows: pd.DataFrame) -> plt.Figure:
     """Footer: devices, run dates, commits of the rows drawn, and when the figure was made."""
-    def col(name: str) -> str:
-        return _unique(rows[name]) if name in rows else "unknown"
+    def col(name: str, *aliases: str) -> str:
+        for candidate in (name, *aliases):  # kernel tables may spell provenance differently
+            if candidate in rows:
+                return _unique(rows[candidate])
+        return "unknown"
 
     dates = col("date")
     if dates != "unknown":
         days = sorted({d[:10] for d in dates.split(", ")})
         dates = days[0] if len(days) == 1 else f"{days[0]} .. {days[-1]}"
     made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    text = f"device: {col('device_kind')} | run date: {dates} | commit: {col('git_commit')} | drawn {made}"
+    commits = col("git_commit", "commit")
+    if commits != "unknown":
+        commits = ", ".join(sorted({c[:10] for c in commits.split(", ")}))
+    text = f"device: {col('device_kind', 'device')} | run date: {dates} | commit: {commits} | drawn {made}"
     # Reserve a strip at the bottom so the footer never overlaps rotated tick labels.
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
     fig.text(0.01, 0.05 / fig.get_figheight(), text, fontsize=7, color="0.35", ha="left", va="bottom")
@@ -82,8 +88,11 @@ def tgs_vs_batch(results: pd.DataFrame) -> plt.Figure | None:
             sns.lineplot(data=ok, x="per_device_batch", y="tgs", hue="path", marker="o", errorbar=None, ax=ax)
         oom = rows[rows["status"] == "oom"]
         for i, (_, row) in enumerate(oom.iterrows()):
+            # Red x on the batch axis; the path is written above it (several paths may OOM at one batch).
             ax.scatter(row["per_device_batch"], 0.02, marker="x", color="red", s=60, zorder=5,
                        transform=ax.get_xaxis_transform(), label="OOM" if i == 0 else None)
+            ax.annotate(row["path"], (row["per_device_batch"], 0.05), xycoords=ax.get_xaxis_transform(),
+                        rotation=90, fontsize=6, color="red", ha="center", va="bottom")
         ax.set_xscale("log", base=2)
         ax.set(xlabel="per-device batch (sequences)", ylabel=TGS_LABEL, title=f"TGS vs batch — {device}")
         ax.set_ylim(bottom=0)
@@ -107,7 +116,11 @@ def peak_memory(results: pd.DataFrame) -> plt.Figure | None:
         rows = frame[frame["device_kind"].fillna("unknown").astype(str) == device]
         sns.barplot(data=rows, x="path", y="peak_gib", hue=hue, errorbar=None, ax=ax,
                     palette="viridis" if hue else None)
-        ax.set(xlabel="MoE path", ylabel="peak device memory (GiB)", title=f"Peak memory — {device}")
+        # Where the number comes from matters (device allocator peak vs host RSS on CPU).
+        source = _unique(s.split(" (")[0] for s in rows["memory_source"].dropna()) \
+            if "memory_source" in rows else "unknown"
+        ax.set(xlabel="MoE path", ylabel="peak memory (GiB)")
+        ax.set_title(f"Peak memory — {device}\nsource: {source}", fontsize=10)
         ax.tick_params(axis="x", rotation=20)
         if hue:
             ax.legend(title="per-device batch", fontsize=8)
@@ -122,12 +135,15 @@ def loss_curves(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figure | 
     fig, grid = plt.subplots(len(sweeps), 2, figsize=(12, 4 * len(sweeps)), squeeze=False)
     for (ax_train, ax_eval), sweep in zip(grid, sweeps):
         rows = histories[histories["sweep"] == sweep]
-        sns.lineplot(data=rows, x="step", y="loss", hue="label", ax=ax_train, errorbar=None, linewidth=1)
-        ax_train.set(xlabel="step", ylabel="train loss (nats / token)", title=f"Train loss — {sweep}")
+        # Cross-entropy, comparable with the eval loss (the total loss adds MTP and balance terms).
+        y = "ce_loss" if "ce_loss" in rows and rows["ce_loss"].notna().any() else "loss"
+        sns.lineplot(data=rows, x="step", y=y, hue="label", ax=ax_train, errorbar=None, linewidth=1)
+        ax_train.set(xlabel="step", ylabel=f"train {'cross-entropy' if y == 'ce_loss' else 'loss'} (nats / token)",
+                     title=f"Train loss — {sweep}")
         evals = rows[rows["eval_loss"].notna()] if "eval_loss" in rows else rows.iloc[0:0]
         if not evals.empty:
             sns.lineplot(data=evals, x="step", y="eval_loss", hue="label", marker="o", ax=ax_eval, errorbar=None)
-        ax_eval.set(xlabel="step", ylabel="eval loss (nats / token)", title=f"Eval loss — {sweep}")
+        ax_eval.set(xlabel="step", ylabel="eval cross-entropy (nats / token)", title=f"Eval loss — {sweep}")
         for ax in (ax_train, ax_eval):
             if ax.get_legend() is not None:
                 ax.legend(fontsize=8)
@@ -167,32 +183,44 @@ def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame) ->
     return add_provenance(fig, results)
 
 
+CEILING_IMPLS = ("dense", "dense_cublas")  # one dense (M, K) x (K, N) GEMM with the same FLOPs
+GEMM_OPS = ("fwd", "dgrad", "wgrad")
+
+
 def kernel_tflops(kernels: pd.DataFrame) -> plt.Figure | None:
-    """Grouped-GEMM TFLOP/s per shape and implementation; black bars mark the dense cuBLAS ceiling."""
-    needed = {"shape", "impl", "tflops"}
-    if kernels.empty or not needed <= set(kernels.columns):
+    """Grouped-GEMM TFLOP/s per shape and implementation (one panel per routing x op); black bars mark
+    the dense-GEMM ceiling of the same FLOPs. Rows of ``benchmarks/grouped_gemm.py`` tables."""
+    if kernels.empty or not {"shape", "impl", "tflops"} <= set(kernels.columns):
         return None
-    kernels = kernels.copy()
-    kernels["op"] = kernels["op"] if "op" in kernels else "fwd"
-    kernels["shape"] = kernels["shape"].astype(str) + (
-        " / " + kernels["routing"].astype(str) if "routing" in kernels else "")
-    ops = list(dict.fromkeys(kernels["op"]))
-    fig, axes = _facet_axes(len(ops), width=6.5, height=4.5)
-    for ax, op in zip(axes, ops):
-        rows = kernels[kernels["op"] == op]
-        grouped = rows[rows["impl"] != "dense_cublas"]
-        order = list(dict.fromkeys(rows["shape"]))
-        if not grouped.empty:
-            sns.barplot(data=grouped, x="shape", y="tflops", hue="impl", order=order, errorbar=None, ax=ax)
-        ceiling = rows[rows["impl"] == "dense_cublas"].groupby("shape")["tflops"].max()
-        for i, shape in enumerate(order):
-            if shape in ceiling:
-                ax.hlines(ceiling[shape], i - 0.45, i + 0.45, color="black", linewidth=2,
-                          label="dense cuBLAS ceiling" if i == 0 else None)
-        ax.set(xlabel="shape (M×K×N, groups) / routing", ylabel="TFLOP/s", title=f"Grouped GEMM — {op}")
-        ax.set_ylim(0, 1.25 * float(rows["tflops"].max()))  # headroom for the legend
-        ax.tick_params(axis="x", rotation=30, labelsize=7)
-        ax.legend(fontsize=8)
+    rows = kernels.copy()
+    rows["op"] = rows["op"] if "op" in rows else "fwd"
+    rows["routing"] = rows["routing"].astype(str) if "routing" in rows else "-"
+    if "status" in rows:
+        rows = rows[rows["status"].astype(str) == "ok"]
+    rows = rows[rows["op"].isin(GEMM_OPS) & pd.to_numeric(rows["tflops"], errors="coerce").notna()]
+    rows["tflops"] = rows["tflops"].astype(float)
+    ceiling = rows[rows["impl"].isin(CEILING_IMPLS)].groupby(["shape", "op"])["tflops"].max()
+    grouped = rows[~rows["impl"].isin(CEILING_IMPLS)]
+    if grouped.empty:
+        return None
+    routings, ops = sorted(grouped["routing"].unique()), [o for o in GEMM_OPS if o in set(grouped["op"])]
+    shapes = list(dict.fromkeys(grouped["shape"]))
+    width = max(6.0, 0.9 * len(shapes))
+    fig, axes = plt.subplots(len(routings), len(ops), figsize=(width * len(ops), 4.2 * len(routings)),
+                             squeeze=False)
+    for r, routing in enumerate(routings):
+        for c, op in enumerate(ops):
+            ax, panel = axes[r][c], grouped[(grouped["routing"] == routing) & (grouped["op"] == op)]
+            if not panel.empty:
+                sns.barplot(data=panel, x="shape", y="tflops", hue="impl", order=shapes, errorbar=None, ax=ax)
+            for i, shape in enumerate(shapes):
+                if (shape, op) in ceiling:
+                    ax.hlines(ceiling[(shape, op)], i - 0.45, i + 0.45, color="black", linewidth=2,
+                              label="dense GEMM ceiling" if i == 0 else None)
+            ax.set(xlabel="shape", ylabel="TFLOP/s", title=f"Grouped GEMM {op}, {routing} routing")
+            ax.set_ylim(0, 1.25 * float(rows["tflops"].max()))  # headroom for the legend
+            ax.tick_params(axis="x", rotation=30, labelsize=7)
+            ax.legend(fontsize=7)
     return add_provenance(fig, kernels)
 
 

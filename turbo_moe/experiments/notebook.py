@@ -106,10 +106,12 @@ def plot_run(result, title: str = "") -> plt.Figure | None:
         return None
     sns.set_theme(style="whitegrid")
     fig, (ax_loss, ax_tgs, ax_drop) = plt.subplots(1, 3, figsize=(15, 3.8))
-    ax_loss.plot(history["step"], history["loss"], label="train", linewidth=1)
+    ax_loss.plot(history["step"], history["loss"], label="train (total)", linewidth=1, alpha=0.5)
+    if "ce_loss" in history:  # the eval loss is cross-entropy only; compare like with like
+        ax_loss.plot(history["step"], history["ce_loss"], label="train cross-entropy", linewidth=1)
     if "eval_loss" in history and history["eval_loss"].notna().any():
         evals = history[history["eval_loss"].notna()]
-        ax_loss.plot(evals["step"], evals["eval_loss"], "o-", label="eval")
+        ax_loss.plot(evals["step"], evals["eval_loss"], "o-", label="eval cross-entropy")
     ax_loss.set(xlabel="step", ylabel="loss (nats / token)", title=f"Loss {title}".strip())
     ax_loss.legend()
     if "tgs" in history:

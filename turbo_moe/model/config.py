@@ -82,16 +82,21 @@ class ModelConfig:
     tie_embeddings: bool = False
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02  # std of every projection's normal init
-    # Token embeddings start at unit scale: with small embeddings the (near-uniform) attention output
-    # dominates the residual stream at init, every token of a sequence looks alike and the router
-    # collapses onto a few experts (35% of copies dropped at cf 1.25 in `reduced` with std 0.006).
-    embedding_init_std: float = 1.0
+    # Token-embedding init std; None: d_model ** -0.5 (MaxText's fan-in default). Not init_std: with
+    # embeddings as small as DeepSeek's 0.006 the (near-uniform) attention output dominates the residual
+    # stream at init, the tokens of a sequence look alike and the router collapses onto a few experts
+    # (35% of copies dropped at cf 1.25 in a 4-layer `reduced`; 1.6% with d_model ** -0.5).
+    embedding_init_std: float | None = None
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
         _validate(self)
 
     # ----- derived sizes -----
+    @property
+    def embedding_std(self) -> float:
+        return self.d_model ** -0.5 if self.embedding_init_std is None else float(self.embedding_init_std)
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -164,6 +169,10 @@ def _canonical_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
 def _coerce(name: str, value: Any, type_name: Any) -> Any:
     """Coerce YAML/CLI values (e.g. '1e-3', 2.0 for an int) to the field's type, or raise naming the field."""
     type_name = type_name if isinstance(type_name, str) else type_name.__name__
+    if type_name == "float | None":
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        type_name = "float"
     try:
         if type_name == "int":
             if isinstance(value, bool) or float(value) != int(float(value)):
@@ -228,10 +237,14 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
     _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
              f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
-    for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "init_std", "embedding_init_std"):
+    for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "init_std"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name,
                  f"must be a positive finite number, got {value!r}")
+    _require(c.embedding_init_std is None or (
+        isinstance(c.embedding_init_std, (int, float)) and math.isfinite(c.embedding_init_std)
+        and c.embedding_init_std > 0), "embedding_init_std",
+        f"must be None or a positive finite number, got {c.embedding_init_std!r}")
     for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,
@@ -261,9 +274,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
         n_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, max_seq_len=128, mtp_depth=1, router_bias_rate=1e-2, dtype="float32",
     ),
-    # DeepSeek-V3 proportions at ~2 B total / ~0.35 B active: 64 routed experts (8 groups, top-4 groups)
-    # + 1 shared, top-6, MLA with q/kv LoRA and decoupled RoPE, MTP depth 1. Fits AdamW on one 80 GB GPU
-    # at 8 x 2048 tokens per device with cuDNN attention and per-layer remat.
+    # DeepSeek-V3 proportions at ~2.07 B total / ~0.36 B active: 64 routed experts (8 groups, top-4 groups)
+    # + 1 shared, top-6, MLA with q/kv LoRA and decoupled RoPE, MTP depth 1. Measured on one H100 80GB
+    # (jax 0.11.2, AdamW, 8 x 2048 tokens, cuDNN attention, remat dots_no_batch): dense_cf cf 1.25 peaks at
+    # 39.9 GiB, 436 ms/step. The ragged path does not fit at batch 8: XLA lowers jax.lax.ragged_dot to a
+    # dense matmul over all E groups with a masked (T*k, E*D) operand (48.6 GiB asked); batch 2 peaks at 38.8 GiB.
     "reduced": dict(
         vocab_size=32768, d_model=1280, n_layers=16, n_dense_layers=1, dense_ffn_dim=3584, moe_ffn_dim=512,
         n_experts=64, n_shared_experts=1, top_k=6, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,

@@ -100,7 +100,7 @@ class DeepSeekModel(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=compute_dtype(cfg),
                                param_dtype=jnp.dtype(cfg.param_dtype),
-                               embedding_init=nnx.initializers.normal(cfg.embedding_init_std), rngs=rngs)
+                               embedding_init=nnx.initializers.normal(cfg.embedding_std), rngs=rngs)
         self.layers = nnx.List([DecoderBlock(cfg, i, rngs) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         self.head = None if cfg.tie_embeddings else linear(

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from turbo_moe.model import ModelConfig, get_config
 
-_POSITIVE_INTS = ("per_device_batch", "steps", "eval_batches", "log_every", "keep_checkpoints")
+_POSITIVE_INTS = ("per_device_batch", "steps", "eval_batches", "log_every", "keep_checkpoints", "expert_parallel")
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "checkpoint_every", "skip_steps_for_tgs", "seed")
 
 
@@ -28,6 +28,8 @@ class TrainConfig:
     text_field: str = "text"
     val_fraction: float = 0.05
     per_device_batch: int = 8
+    # Routed experts split over this many devices (mesh (devices / ep, ep) over ("data", "expert")).
+    expert_parallel: int = 1
     seq_len: int | None = None
     steps: int = 50
     learning_rate: float = 3e-3
@@ -152,6 +154,8 @@ def _validate(c: TrainConfig) -> None:
     _require(isinstance(c.model_overrides, Mapping), "model_overrides",
              f"must be a mapping, got {type(c.model_overrides).__name__}")
     model_cfg = c.model_config()  # raises ValueError naming the ModelConfig field
+    _require(model_cfg.n_experts % c.expert_parallel == 0, "expert_parallel",
+             f"{c.expert_parallel} does not divide the model's n_experts={model_cfg.n_experts}")
     seq_len = c.seq_len if c.seq_len is not None else model_cfg.max_seq_len
     _require(seq_len <= model_cfg.max_seq_len, "seq_len",
              f"{seq_len} > the model's max_seq_len={model_cfg.max_seq_len} (raise it in model_overrides)")

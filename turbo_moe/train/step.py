@@ -22,10 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_bias
 from turbo_moe.train.config import TrainConfig
 
-# Mesh axes: data parallel now; an `expert` axis (size 1 here) is reserved for expert parallelism,
-# so batch and parameter specs already name it.
+# Mesh axes: ("data", "expert"). Tokens are split over every device; the routed experts' weights (and
+# their optimizer moments) are split over "expert" on their leading E dim, everything else replicated.
 MESH_AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")  # tokens are split over every device
+ROUTED_EXPERT_LEAVES = ("w_gate_up", "w_down")  # RoutedExperts' (E, ...) parameters
 
 
 class TrainState(NamedTuple):
@@ -35,10 +36,45 @@ class TrainState(NamedTuple):
     opt_state: Any  # optax state
 
 
-def make_mesh(devices: list | None = None) -> Mesh:
-    """(n_devices, 1) mesh over ("data", "expert")."""
+def make_mesh(devices: list | None = None, expert_parallel: int = 1) -> Mesh:
+    """(n_devices / expert_parallel, expert_parallel) mesh over ("data", "expert").
+
+    Consecutive devices share an expert group, so the expert all-to-alls stay within a host when
+    expert_parallel divides the devices per host."""
     devices = jax.devices() if devices is None else devices
-    return Mesh(np.asarray(devices).reshape(len(devices), 1), MESH_AXES)
+    if not isinstance(expert_parallel, int) or expert_parallel <= 0 or len(devices) % expert_parallel:
+        raise ValueError(f"expert_parallel must be a positive int dividing the {len(devices)} devices, "
+                         f"got {expert_parallel!r}")
+    return Mesh(np.asarray(devices).reshape(len(devices) // expert_parallel, expert_parallel), MESH_AXES)
+
+
+def _is_routed_expert(path) -> bool:
+    """Whether a state leaf (param or optimizer moment) is a routed expert weight (E, ...)."""
+    names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
+    return "experts" in names and any(name in ROUTED_EXPERT_LEAVES for name in names)
+
+
+def state_shardings(abstract_state, mesh: Mesh):
+    """Routed-expert weights split over "expert" on E; every other leaf replicated."""
+    experts = NamedSharding(mesh, P("expert"))
+
+    def choose(path, leaf):
+        return experts if _is_routed_expert(path) and getattr(leaf, "ndim", 0) >= 1 else replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(choose, abstract_state)
+
+
+def _in_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
+    """Traces `fn` with `mesh` as the ambient abstract mesh, so MoE layers find the expert axis."""
+    if mesh is None or dict(mesh.shape).get("expert", 1) == 1:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    return wrapped
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -94,7 +130,7 @@ def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation):
 
 
 def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh):
-    """Initialise the model and optimizer, replicated over the mesh. Returns (graphdef, TrainState)."""
+    """Initialise the model and optimizer over the mesh (state_shardings). Returns (graphdef, TrainState)."""
     program = build_program(model_cfg, tx, mesh)
     return program.graphdef, program.init(jax.random.key(seed))
 
@@ -142,7 +178,7 @@ class Program:
     """
 
     graphdef: Any
-    init: Callable  # key -> TrainState, replicated over the mesh
+    init: Callable  # key -> TrainState, laid out by state_shardings
     train: Callable  # (state, batch) -> (state, metrics), state donated
     evaluate: Callable  # (state, batch) -> {"ce_loss", "loss"}
 
@@ -152,14 +188,14 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     new_model, create = _init_fn(model_cfg, tx)
     key = jax.random.key(0)
     graphdef = nnx.split(nnx.eval_shape(lambda: new_model(key)), nnx.Param, ...)[0]  # no allocation
-    state_sharding = jax.tree.map(lambda _: replicated(mesh), jax.eval_shape(create, key))
+    state_sharding = state_shardings(jax.eval_shape(create, key), mesh)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
     init = jax.jit(create, out_shardings=state_sharding)
-    train = jax.jit(make_train_step(graphdef, tx, model_cfg.router_bias_rate),
+    train = jax.jit(_in_mesh(make_train_step(graphdef, tx, model_cfg.router_bias_rate), mesh),
                     in_shardings=(state_sharding, data_sharding),
                     out_shardings=(state_sharding, replicated(mesh)), donate_argnums=0)
-    evaluate = jax.jit(make_eval_step(graphdef), in_shardings=(state_sharding, data_sharding),
+    evaluate = jax.jit(_in_mesh(make_eval_step(graphdef), mesh), in_shardings=(state_sharding, data_sharding),
                        out_shardings=replicated(mesh))
     return Program(graphdef, init, train, evaluate)
 

@@ -126,3 +126,14 @@ def test_cli_reports_bad_spec_and_missing_kernel(tmp_path, toy_notebook, capsys)
     spec_file.write_text(f"notebook: {toy_notebook}\nkernel: no-such-kernel-xyz\n")
     assert cli.main(["sweep", str(spec_file), "--experiments-dir", str(tmp_path / "e")]) == 2
     assert "ipykernel install --user --name no-such-kernel-xyz" in capsys.readouterr().err
+
+
+def test_only_glob_and_record_false(toy_notebook, test_kernel, layout, monkeypatch):
+    spec = spec_from_dict({"name": "toy", "notebook": str(toy_notebook), "kernel": test_kernel,
+                           "record": False, "grid": {"x": [1, 2, 3]}})
+    ran = []
+    monkeypatch.setattr(runner, "execute_notebook", lambda s, params, out, k: ran.append(params["x"]) or ("ok", None))
+    rows = run_sweep(spec, layout=layout, only="x-[23]", progress=False)
+    assert ran == [2, 3] and [r["status"] for r in rows] == ["ok", "ok"]  # no record needed
+    assert rows[0]["record"] is None and rows[0]["notebook_out"] == "runs/toy/x-2.ipynb"
+    assert rows[0]["git_commit"] is None or isinstance(rows[0]["git_commit"], str)

@@ -2,7 +2,7 @@
 
 import shutil
 
-from conftest import REPO, execute, nbval
+from nbhelpers import REPO, execute, nbval
 
 FIXTURE = REPO / "tests" / "sweep" / "fixtures" / "results"
 

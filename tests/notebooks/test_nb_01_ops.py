@@ -3,7 +3,7 @@
 import papermill
 import pytest
 
-from conftest import execute, nbval
+from nbhelpers import execute, nbval
 
 TINY = dict(num_tokens=64, hidden=32, ffn=48, num_experts=8, top_k=2, routing="empty_groups", timing_iters=2)
 

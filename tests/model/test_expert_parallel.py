@@ -1,0 +1,241 @@
+"""Expert parallelism on forced CPU host devices: every path at EP=2/4/8 equals the one-device path.
+
+XLA:CPU has no ragged-all-to-all thunk, so the ragged exchange runs its emulation here (same plan,
+same offsets, a padded all_to_all underneath); the GPU runs `jax.lax.ragged_all_to_all`.
+"""
+
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from tests.model.conftest import requires_turbo
+from turbo_moe.model.expert_parallel import ep_moe_path, expert_axis_size
+from turbo_moe.model.experts import ExpertWeights
+from turbo_moe.model.moe_layer import moe_path_fn
+from turbo_moe.model.router import Routing
+
+B, S, D, F, E, K = 8, 4, 8, 6, 16, 3
+CF = 1.25
+CASES = [  # (path, ep_exchange)
+    ("dense_cf", "deepep"),
+    ("ragged", "deepep"),
+    pytest.param("turbo", "deepep", marks=requires_turbo),
+    pytest.param("turbo", "ragged_all_to_all", marks=requires_turbo),
+]
+MESHES = [(2, 2), (2, 4), (1, 8)]  # (data, expert): EP=2/4/8 with data parallelism beside EP=2/4
+
+
+def make_mesh(data: int, expert: int) -> Mesh:
+    if jax.device_count() < data * expert:
+        pytest.skip(f"needs {data * expert} devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    return Mesh(np.array(jax.devices()[: data * expert]).reshape(data, expert), ("data", "expert"))
+
+
+def problem(seed: int, skew_to: int | None = None):
+    """Random tokens, distinct top-k experts per token (all within `skew_to` experts when given)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(B, S, D)), jnp.float32)
+    scores = jnp.asarray(rng.random((B, S, E)), jnp.float32)
+    if skew_to is not None:
+        scores = scores.at[..., skew_to:].set(-1.0)  # only the first experts are ever picked
+    ids = jax.lax.top_k(scores, K)[1].astype(jnp.int32)  # (B, S, K) distinct
+    weights = jnp.asarray(rng.random((B, S, K)), jnp.float32)
+    experts = ExpertWeights(jnp.asarray(rng.normal(size=(E, D, 2 * F)) / np.sqrt(D), jnp.float32),
+                            jnp.asarray(rng.normal(size=(E, F, D)) / np.sqrt(F), jnp.float32))
+    return x, Routing(ids, weights, scores), experts
+
+
+def loss_and_grads(path_fn, x, routing, experts):
+    """Loss sum(y * r) and its gradients wrt x, the routing weights and both expert weights."""
+    probe = jnp.asarray(np.random.default_rng(99).normal(size=x.shape), jnp.float32)
+
+    def loss(x, w, experts):
+        y, stats = path_fn(x, routing._replace(weights=w), experts)
+        return jnp.sum(y * probe), (y, stats)
+
+    (value, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        x, routing.weights, experts)
+    return value, y, stats, grads
+
+
+def assert_close(actual, expected, what):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-5, atol=2e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("data,expert", MESHES)
+@pytest.mark.parametrize("path,exchange", CASES)
+def test_loss_grads_and_stats_match_one_device(path, exchange, data, expert):
+    x, routing, experts = problem(seed=data * 10 + expert)
+    ref = loss_and_grads(moe_path_fn(path, CF), x, routing, experts)
+    got = loss_and_grads(ep_moe_path(path, mesh=make_mesh(data, expert), capacity_factor=CF, ep_exchange=exchange),
+                         x, routing, experts)
+    for name, a, e in zip(("loss", "y", "stats", "grads"), got, ref):
+        assert_close(a, e, f"{path}/{exchange} EP={expert}: {name}")
+    if path != "dense_cf":
+        assert float(got[2].dropped_fraction) == 0.0, "dropless paths drop nothing"
+
+
+@pytest.mark.parametrize("path,exchange", CASES)
+def test_skewed_routing_neither_loses_nor_duplicates(path, exchange):
+    """Every copy goes to rank 0's experts: the output, load and drops equal the one-device path."""
+    mesh = make_mesh(1, 4)
+    x, routing, experts = problem(seed=3, skew_to=E // 4)
+    y_ref, stats_ref = jax.jit(moe_path_fn(path, CF))(x, routing, experts)
+    y, stats = jax.jit(ep_moe_path(path, mesh=mesh, capacity_factor=CF, ep_exchange=exchange))(x, routing, experts)
+    assert_close((y, stats), (y_ref, stats_ref), f"{path}/{exchange} skewed")
+    np.testing.assert_array_equal(np.asarray(stats.expert_load)[E // 4:], 0.0)
+    assert float(stats.expert_load.sum()) == B * S * K
+
+
+@requires_turbo
+def test_dense_cf_without_capacity_matches_dense():
+    mesh = make_mesh(2, 4)
+    x, routing, experts = problem(seed=5)
+    y_ref, _ = jax.jit(moe_path_fn("dense_cf", 0.0))(x, routing, experts)
+    y, stats = jax.jit(ep_moe_path("dense_cf", mesh=mesh, capacity_factor=0.0))(x, routing, experts)
+    assert_close(y, y_ref, "dense_cf cf=0")
+    assert float(stats.dropped_fraction) == 0.0
+
+
+@requires_turbo
+def test_deepep_capacity_overflow_is_counted():
+    """Skewed to rank 0 with half the slots: each source keeps its first ceil(T/2) tokens; the rest count."""
+    data, expert, cap_factor = 2, 2, 0.5
+    mesh = make_mesh(data, expert)
+    x, routing, experts = problem(seed=4, skew_to=E // expert)
+    path = ep_moe_path("turbo", mesh=mesh, ep_exchange="deepep", ep_capacity_factor=cap_factor)
+    y, stats = jax.jit(path)(x, routing, experts)
+
+    tokens_per_rank = B * S // (data * expert)
+    slots = int(np.ceil(cap_factor * tokens_per_rank))
+    expected_drop = (tokens_per_rank - slots) / tokens_per_rank
+    assert float(stats.dropped_fraction) == pytest.approx(expected_drop)
+    assert float(stats.expert_load.sum()) == B * S * K, "load counts copies before dropping"
+    keep = (np.arange(B * S) % tokens_per_rank < slots).reshape(B, S, 1)  # first slots tokens of each rank
+    kept_routing = routing._replace(weights=routing.weights * keep)
+    y_ref, _ = jax.jit(moe_path_fn("ragged", CF))(x, kept_routing, experts)
+    assert_close(y, y_ref, "overflowed tokens contribute nothing, the others everything")
+
+
+def test_ambient_mesh_and_axis_size():
+    mesh = make_mesh(2, 2)
+    x, routing, experts = problem(seed=6)
+    y_ref, _ = jax.jit(moe_path_fn("ragged", CF))(x, routing, experts)
+    assert expert_axis_size() == 1
+    with jax.set_mesh(mesh):
+        assert expert_axis_size() == 2
+        y, _ = jax.jit(ep_moe_path("ragged"))(x, routing, experts)
+    assert_close(y, y_ref, "ambient mesh")
+
+
+HOST_TRANSFER_MARKERS = ("is_host_transfer=true", "outfeed", "infeed", "send(", "recv(", "host-offload")
+
+
+@pytest.mark.parametrize("path,exchange", [("ragged", "deepep"), pytest.param("turbo", "deepep", marks=requires_turbo),
+                                           pytest.param("turbo", "ragged_all_to_all", marks=requires_turbo)])
+def test_compiled_step_has_no_host_synchronisation(path, exchange):
+    """Counts stay on the device: no host callback in the jaxpr, no host transfer in the compiled HLO,
+    and the only custom calls are turbo_moe's kernels."""
+    mesh = make_mesh(2, 2)
+    x, routing, experts = problem(seed=7)
+    ep = ep_moe_path(path, mesh=mesh, ep_exchange=exchange)
+
+    def step(x, w, experts):
+        return jax.grad(lambda x, w, e: jnp.sum(ep(x, routing._replace(weights=w), e)[0] ** 2),
+                        argnums=(0, 1, 2))(x, w, experts)
+
+    jaxpr = str(jax.make_jaxpr(step)(x, routing.weights, experts))
+    assert "callback" not in jaxpr
+    hlo = jax.jit(step).lower(x, routing.weights, experts).compile().as_text()
+    for marker in HOST_TRANSFER_MARKERS:
+        assert marker not in hlo, f"compiled HLO contains {marker!r}"
+    targets = set(__import__("re").findall(r'custom_call_target="([^"]+)"', hlo))
+    assert all(t.startswith("turbo_moe_") for t in targets), targets
+    assert "all-to-all" in hlo
+    if exchange == "ragged_all_to_all" or path == "ragged":  # the GPU's native collective: lowered only here
+        native = ep_moe_path(path, mesh=mesh, ep_exchange=exchange, exchange_impl="native")
+        text = jax.jit(lambda x, w, e: native(x, routing._replace(weights=w), e)[0]).lower(
+            x, routing.weights, experts).as_text()
+        assert "ragged_all_to_all" in text and "callback" not in text and "host" not in text.lower()
+
+
+def test_bad_arguments_are_named():
+    mesh = make_mesh(2, 2)
+    x, routing, experts = problem(seed=8)
+    with pytest.raises(ValueError, match="path: unknown MoE path"):
+        ep_moe_path("megablox", mesh=mesh)
+    with pytest.raises(ValueError, match="ep_exchange"):
+        ep_moe_path("turbo", mesh=mesh, ep_exchange="nccl")
+    with pytest.raises(ValueError, match="no expert axis"):
+        ep_moe_path("ragged", mesh=Mesh(np.array(jax.devices()[:2]), ("data",)))
+    with pytest.raises(ValueError, match="batch 6 must be divisible"):
+        ep_moe_path("ragged", mesh=mesh)(x[:6], Routing(*(a[:6] for a in routing)), experts)
+    odd = ExpertWeights(experts.w_gate_up[:15], experts.w_down[:15])
+    with pytest.raises(ValueError, match="n_experts=15 must be divisible"):
+        ep_moe_path("ragged", mesh=mesh)(x, routing._replace(expert_ids=routing.expert_ids % 15), odd)
+
+
+MULTIPROCESS_WORKER = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    process_id, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from tests.model.test_expert_parallel import problem
+    from turbo_moe.model.expert_parallel import ep_moe_path
+    from turbo_moe.model.experts import ExpertWeights
+    from turbo_moe.model.moe_layer import moe_path_fn
+    from turbo_moe.model.router import Routing
+
+    x, routing, experts = problem(seed=11)
+    with jax.default_device(jax.local_devices()[0]):
+        y_ref, stats_ref = jax.jit(moe_path_fn(path, 1.25))(x, routing, experts)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "expert"))  # one data row per process
+    def shard(a, spec):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
+    tokens = P(("data", "expert"))
+    args = (shard(x, tokens), Routing(*(shard(a, tokens) for a in routing)),
+            ExpertWeights(*(shard(a, P("expert")) for a in experts)))
+    y, stats = jax.jit(ep_moe_path(path, mesh=mesh))(*args)
+    for piece in y.addressable_shards:
+        np.testing.assert_allclose(np.asarray(piece.data), np.asarray(y_ref)[piece.index], rtol=2e-5, atol=2e-5)
+    load = np.asarray(stats.expert_load.addressable_shards[0].data)
+    np.testing.assert_array_equal(load, np.asarray(stats_ref.expert_load))
+    print("MULTIPROCESS_OK", process_id, jax.process_count(), len(jax.devices()))
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("path", ["ragged", pytest.param("turbo", marks=requires_turbo)])
+def test_multiprocess_under_jax_distributed(path, tmp_path):
+    """Two processes x two CPU devices under jax.distributed.initialize (gloo) equal one device."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(MULTIPROCESS_WORKER)
+    port = str(_free_port())
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**__import__("os").environ, "PYTHONPATH": root}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), port, path], cwd=root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+    for i, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0 and f"MULTIPROCESS_OK {i} 2 4" in out, out[-3000:]

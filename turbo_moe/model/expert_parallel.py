@@ -1,0 +1,156 @@
+"""Expert parallelism: the three MoE paths inside `shard_map`, routed experts split over an `expert` axis.
+
+    path = ep_moe_path("turbo", mesh=mesh, ep_exchange="deepep")   # mesh axes e.g. ("data", "expert")
+    y, stats = path(x, routing, weights)   # same signature and results as the one-device path
+
+Tokens (the batch dim B) are split over every mesh axis; the routed experts' weights are split over
+`expert` on their leading E dim (rank p owns experts [p*E/P, (p+1)*E/P)) and replicated over the other
+axes (their gradients are summed over those axes by shard_map's autodiff). Stats are summed over
+every rank, so `expert_load` and `dropped_fraction` equal the one-device values.
+
+Exchanges (all with static worst-case buffers; no count ever goes to the host):
+- dense_cf: capacity slots (E, B, C, D) through `all_to_all` (MaxText dense_matmul + EP).
+- ragged: `ragged_all_to_all` of copies sorted by expert (MaxText sparse_matmul + EP).
+- turbo: ep_exchange="deepep" -> turbo_moe.ops.moe_dispatch/moe_combine (one row per token and
+  destination rank; ep_capacity_factor in (0, 1) caps the slots, overflow counted as dropped), or
+  ep_exchange="ragged_all_to_all" -> the ragged exchange with the turbo kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from turbo_moe.model.ep_exchange import default_impl
+from turbo_moe.model.ep_local import dense_cf_ep_local, deepep_capacity, turbo_deepep_local
+from turbo_moe.model.ep_ragged import ragged_ep_local, turbo_ragged_ep_local
+from turbo_moe.model.experts import ExpertStats, ExpertWeights
+from turbo_moe.model.router import Routing
+
+EP_PATHS = ("dense_cf", "ragged", "turbo")
+EP_EXCHANGES = ("deepep", "ragged_all_to_all")
+EXPERT_AXIS = "expert"
+
+
+def _mesh_or_ambient(mesh):
+    if mesh is not None:
+        return mesh
+    ambient = jax.sharding.get_abstract_mesh()
+    if ambient is None or ambient.empty:
+        raise ValueError("mesh: no mesh given and no ambient mesh set (use `jax.set_mesh(mesh)` or pass mesh=)")
+    return ambient
+
+
+def expert_axis_size(mesh=None, expert_axis: str = EXPERT_AXIS) -> int:
+    """Size of `expert_axis` in `mesh` (or the ambient mesh); 1 when there is no mesh or no such axis."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or mesh.empty:
+            return 1
+    return dict(mesh.shape).get(expert_axis, 1)
+
+
+def _platform(mesh) -> str:
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()  # an abstract (ambient) mesh names no devices
+
+
+def _local_body(path: str, *, n_experts: int, axis_name: str, capacity_factor: float, ep_exchange: str,
+                ep_capacity_factor: float, impl: str) -> Callable:
+    """The per-rank function (x (B, S, D), ids, combine_w (B, S, k), w_local) -> (y, copies computed)."""
+    kw = dict(n_experts=n_experts, axis_name=axis_name)
+    if path == "dense_cf":
+        return functools.partial(dense_cf_ep_local, capacity_factor=capacity_factor, **kw)
+    if path == "ragged":
+        token_fn = functools.partial(ragged_ep_local, impl=impl, **kw)
+    elif ep_exchange == "ragged_all_to_all":
+        token_fn = functools.partial(turbo_ragged_ep_local, impl=impl, **kw)
+    else:
+        token_fn = None
+
+    def per_token(x, ids, combine_w, w_local):
+        b, s, d = x.shape
+        tokens, ids, combine_w = x.reshape(b * s, d), ids.reshape(b * s, -1), combine_w.reshape(b * s, -1)
+        if token_fn is not None:
+            y, done = token_fn(tokens, ids, combine_w, w_local)
+        else:
+            capacity = deepep_capacity(b * s, ep_capacity_factor)
+            y, done = turbo_deepep_local(tokens, ids, combine_w, w_local, capacity=capacity, **kw)
+        return y.reshape(b, s, d), done
+
+    return per_token
+
+
+def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
+    """Expert weights typed as varying over every mesh axis, like the tokens they meet.
+
+    They are replicated over the non-expert axes; this cast's transpose sums their gradients over
+    those axes. Doing it here also gives the FFI ops' custom_vjps operands of one varying type."""
+    def cast(a):
+        aval = jax.typeof(a)
+        have = getattr(aval, "vma", None)
+        have = getattr(getattr(aval, "mat", None), "varying", frozenset()) if have is None else have
+        missing = tuple(ax for ax in axes if ax not in have)
+        if not missing:
+            return a
+        return jax.lax.pcast(a, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(a, missing)
+
+    return ExpertWeights(*(cast(a) for a in w))
+
+
+def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacity_factor: float = 1.25,
+                ep_exchange: str = "deepep", ep_capacity_factor: float = 0.0, exchange_impl: str | None = None):
+    """A MoE path `(x (B, S, D), routing, weights) -> (y, ExpertStats)` running expert-parallel.
+
+    mesh: a Mesh with an `expert_axis` (None: the ambient mesh of `jax.set_mesh`). B must divide by
+    the number of devices and E by the expert-axis size. exchange_impl: "native" ragged_all_to_all or
+    the "emulated" one (CPU); default by the mesh's platform.
+    """
+    if path not in EP_PATHS:
+        raise ValueError(f"path: unknown MoE path {path!r}; expected one of {EP_PATHS}")
+    if ep_exchange not in EP_EXCHANGES:
+        raise ValueError(f"ep_exchange: got {ep_exchange!r}; expected one of {EP_EXCHANGES}")
+    if not (isinstance(ep_capacity_factor, (int, float)) and math.isfinite(ep_capacity_factor)):
+        raise ValueError(f"ep_capacity_factor: must be a finite number, got {ep_capacity_factor!r}")
+    mesh = _mesh_or_ambient(mesh)
+    if expert_axis not in mesh.axis_names:
+        raise ValueError(f"mesh: has axes {mesh.axis_names}, no expert axis {expert_axis!r}")
+    impl = exchange_impl or default_impl(_platform(mesh))
+    batch_axes = tuple(mesh.axis_names)  # tokens are split over every device
+    n_devices = math.prod(dict(mesh.shape).values())
+    n_ranks = dict(mesh.shape)[expert_axis]
+
+    def run(x: jax.Array, routing: Routing, weights: ExpertWeights) -> tuple[jax.Array, ExpertStats]:
+        b, s, _ = x.shape
+        k = routing.expert_ids.shape[-1]
+        n_experts = weights.n_experts
+        if n_experts % n_ranks:
+            raise ValueError(f"n_experts={n_experts} must be divisible by the {expert_axis!r} axis size {n_ranks}")
+        if b % n_devices:
+            raise ValueError(f"x: batch {b} must be divisible by the {n_devices} devices of the mesh {dict(mesh.shape)}")
+        body = _local_body(path, n_experts=n_experts, axis_name=expert_axis, capacity_factor=capacity_factor,
+                           ep_exchange=ep_exchange, ep_capacity_factor=ep_capacity_factor, impl=impl)
+
+        def sharded(x, ids, combine_w, w):
+            y, done = body(x, ids, combine_w, _varying_like(w.astype(x.dtype), batch_axes))
+            load = jnp.zeros((n_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)  # (E,) before drops
+            load = jax.lax.psum(load, batch_axes)
+            total = b * s * k  # every copy of the global batch
+            not_done = jax.lax.psum(done.astype(jnp.int32), batch_axes) * -1 + total  # exact integer count
+            return y, load, not_done.astype(jnp.float32) / total
+
+        tokens_spec, experts_spec = P(batch_axes), P(expert_axis)
+        y, load, dropped = jax.shard_map(
+            sharded, mesh=mesh,
+            in_specs=(tokens_spec, tokens_spec, tokens_spec, ExpertWeights(experts_spec, experts_spec)),
+            out_specs=(tokens_spec, P(), P()),
+        )(x, routing.expert_ids, routing.weights.astype(jnp.float32), weights)
+        return y, ExpertStats(load, dropped)
+
+    return run
