@@ -15,7 +15,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard kernels/*/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	# With nvcc present, the CUDA build also compiles the Hopper grouped GEMM against the CUTLASS headers
+	# of the nvidia-cutlass wheel (headers only: installed without its Python dependencies).
+	if command -v nvcc >/dev/null; then \
+	  $(BIN)/python -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0" && \
+	  cutlass=$$($(BIN)/python -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") && \
+	  $(BIN)/python -m pip install -q -e ".[dev]" -C cmake.define.TURBO_MOE_CUTLASS_INCLUDE=$$cutlass; \
+	else \
+	  $(BIN)/python -m pip install -q -e ".[dev]"; \
+	fi
 	$(BIN)/python -m ipykernel install --user --name turbo-moe --display-name "Python (turbo-moe)" >/dev/null
 	$(BIN)/python -c "import turbo_moe.ops as ops; print('turbo_moe kernels:', ops.ensure_registered())"
 	touch $(STAMP)

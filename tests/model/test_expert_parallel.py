@@ -239,3 +239,28 @@ def test_multiprocess_under_jax_distributed(path, tmp_path):
     outputs = [proc.communicate(timeout=240)[0] for proc in procs]
     for i, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0 and f"MULTIPROCESS_OK {i} 2 4" in out, out[-3000:]
+
+
+def test_exchange_plan_is_consistent_between_senders_and_receivers():
+    """What the native ragged_all_to_all reads: every receiver's recv sizes/offsets must be what the
+    senders send/address, in both directions (CPU cannot run the collective itself)."""
+    from jax.sharding import PartitionSpec as P
+
+    from turbo_moe.model.ep_exchange import exchange_plan
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("expert",))
+    counts = jnp.asarray(np.random.default_rng(0).integers(0, 5, size=(4, E)), jnp.int32)
+
+    def check(counts):
+        plan, recv_counts = exchange_plan(counts.reshape(-1), "expert")
+        mismatches = []
+        for p in (plan, plan.reversed()):
+            sent_sizes = jax.lax.all_to_all(p.send_sizes, "expert", 0, 0)
+            sent_offsets = jax.lax.all_to_all(p.output_offsets, "expert", 0, 0)
+            mismatches.append(jnp.sum(sent_sizes != p.recv_sizes) + jnp.sum(sent_offsets != p.recv_offsets))
+        return jnp.stack(mismatches)[None], recv_counts.sum(0)[None]
+
+    mismatches, local_sizes = jax.jit(jax.shard_map(check, mesh=mesh, in_specs=P("expert"),
+                                                    out_specs=P("expert")))(counts)
+    np.testing.assert_array_equal(np.asarray(mismatches), 0)
+    np.testing.assert_array_equal(np.asarray(local_sizes).reshape(-1), np.asarray(counts).sum(0))

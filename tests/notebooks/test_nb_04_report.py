@@ -1,21 +1,25 @@
-"""04_report: executed through papermill on the fixture results, then checked by nbval."""
+"""04_report: `turbo-moe report` executes it through papermill on the fixture results; nbval re-checks it."""
 
 import shutil
 
-from nbhelpers import REPO, execute, nbval
+from nbhelpers import NOTEBOOKS, REPO, nbval
+
+from turbo_moe import cli
 
 FIXTURE = REPO / "tests" / "sweep" / "fixtures" / "results"
 
 
-def test_report_notebook_draws_figures_and_passes_nbval(tmp_path, kernel):
-    results_dir = tmp_path / "results"
-    shutil.copytree(FIXTURE, results_dir)
+def test_report_command_draws_figures_and_passes_nbval(tmp_path, kernel, capsys):
+    shutil.copytree(FIXTURE, tmp_path / "results")
+    assert cli.main(["report", "--experiments-dir", str(tmp_path), "--notebook", str(NOTEBOOKS / "04_report.ipynb"),
+                     "--kernel", kernel]) == 0
     figures_dir = tmp_path / "figures"
-    executed = execute("04_report.ipynb", tmp_path, kernel,
-                       results_dir=str(results_dir), figures_dir=str(figures_dir))
+    out = capsys.readouterr().out
     for name in ("tgs_vs_batch", "peak_memory", "loss_curves", "dropped_fraction", "synthetic_vs_real",
                  "expert_load_cpu_loss", "kernel_tflops_h100"):
         assert (figures_dir / f"{name}.png").exists(), name
+        assert f"{name}: {(figures_dir / name).resolve()}.png" in out
     assert "| cpu_loss | turbo |" in (figures_dir / "results.md").read_text()
+    executed = tmp_path / "runs" / "report" / "04_report.ipynb"
     checked = nbval(executed)
     assert checked.returncode == 0, checked.stdout[-3000:]

@@ -70,3 +70,15 @@ def test_path_label(label_args, label):
     from turbo_moe.experiments.figures import path_label
 
     assert path_label(*label_args) == label
+
+
+def test_minimal_table_without_provenance_still_draws(tmp_path):
+    from turbo_moe.experiments.results import append_row
+
+    for batch, status in ((1, "ok"), (2, "ok"), (4, "oom")):
+        append_row(tmp_path / "results" / "mini.csv", {"sweep": "mini", "point": f"b{batch}", "status": status,
+                                                       "moe_path": "ragged", "per_device_batch": batch,
+                                                       "tgs": 100.0 * batch if status == "ok" else None})
+    summary = report.build_report(tmp_path / "results", tmp_path / "figures")
+    assert summary.entries["tgs_vs_batch"].endswith("tgs_vs_batch.png")
+    assert "| mini | ragged | 4 | oom |" in (tmp_path / "figures" / "results.md").read_text()

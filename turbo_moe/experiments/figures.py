@@ -63,6 +63,13 @@ def add_provenance(fig: plt.Figure, rows: pd.DataFrame) -> plt.Figure:
     return fig
 
 
+def _device(frame: pd.DataFrame) -> pd.Series:
+    """The device label of each row ("unknown" where the table has none)."""
+    if "device_kind" not in frame:
+        return pd.Series("unknown", index=frame.index)
+    return frame["device_kind"].fillna("unknown").astype(str)
+
+
 def _facet_axes(n: int, width: float = 5.5, height: float = 4.0) -> tuple[plt.Figure, list[plt.Axes]]:
     fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
     return fig, list(axes[0])
@@ -79,10 +86,10 @@ def tgs_vs_batch(results: pd.DataFrame) -> plt.Figure | None:
     frame = frame[varied]
     if frame.empty:
         return None
-    devices = sorted(frame["device_kind"].fillna("unknown").astype(str).unique())
+    devices = sorted(_device(frame).unique())
     fig, axes = _facet_axes(len(devices))
     for ax, device in zip(axes, devices):
-        rows = frame[frame["device_kind"].fillna("unknown").astype(str) == device]
+        rows = frame[_device(frame) == device]
         ok = rows[rows["status"] == "ok"]
         if not ok.empty:
             sns.lineplot(data=ok, x="per_device_batch", y="tgs", hue="path", marker="o", errorbar=None, ax=ax)
@@ -110,10 +117,10 @@ def peak_memory(results: pd.DataFrame) -> plt.Figure | None:
         return None
     frame["peak_gib"] = frame["peak_memory_bytes"].astype(float) / GIB
     hue = "per_device_batch" if "per_device_batch" in frame and frame["per_device_batch"].nunique() > 1 else None
-    devices = sorted(frame["device_kind"].fillna("unknown").astype(str).unique())
+    devices = sorted(_device(frame).unique())
     fig, axes = _facet_axes(len(devices))
     for ax, device in zip(axes, devices):
-        rows = frame[frame["device_kind"].fillna("unknown").astype(str) == device]
+        rows = frame[_device(frame) == device]
         sns.barplot(data=rows, x="path", y="peak_gib", hue=hue, errorbar=None, ax=ax,
                     palette="viridis" if hue else None)
         # Where the number comes from matters (device allocator peak vs host RSS on CPU).
@@ -235,10 +242,10 @@ def synthetic_vs_real(results: pd.DataFrame) -> plt.Figure | None:
     if frame.empty:
         return None
     frame = frame.assign(data=np.where(frame["dataset"] == "synthetic", "synthetic", "real text"))
-    devices = sorted(frame["device_kind"].fillna("unknown").astype(str).unique())
+    devices = sorted(_device(frame).unique())
     fig, axes = _facet_axes(len(devices))
     for ax, device in zip(axes, devices):
-        rows = frame[frame["device_kind"].fillna("unknown").astype(str) == device]
+        rows = frame[_device(frame) == device]
         sns.barplot(data=rows, x="path", y="tgs", hue="data", errorbar=None, ax=ax)
         ax.set(xlabel="MoE path", ylabel=TGS_LABEL, title=f"Synthetic vs real data — {device}")
         ax.tick_params(axis="x", rotation=20)

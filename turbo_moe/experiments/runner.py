@@ -124,22 +124,31 @@ def run_sweep(
 def run_point(spec: SweepSpec, point: SweepPoint, *, layout: SweepLayout, kernel: str) -> dict[str, Any]:
     """Execute one point's notebook and turn the outcome into a results row. Never raises on failure."""
     record_path, notebook_out = layout.record(point), layout.notebook_out(point)
-    for stale in (record_path, notebook_out):
+    # The notebook writes next to the final record; it replaces the old one only once the point is
+    # done, so a kill mid-point never leaves an earlier row pointing at a missing record.
+    partial = record_path.with_name(record_path.name + ".partial")
+    for stale in (partial, notebook_out):
         stale.unlink(missing_ok=True)  # a stale record must never pass for this run's result
     record_path.parent.mkdir(parents=True, exist_ok=True)
     notebook_out.parent.mkdir(parents=True, exist_ok=True)
-    params = {**point.params, "result_json": str(record_path.resolve()), "run_name": f"{spec.name}/{point.name}"}
+    params = {**point.params, "result_json": str(partial.resolve()), "run_name": f"{spec.name}/{point.name}"}
     start = time.perf_counter()
     status, error = execute_notebook(spec, params, notebook_out, kernel)
     elapsed = time.perf_counter() - start
-    record = results.load_record(record_path) if record_path.exists() else None
+    record = results.load_record(partial) if partial.exists() else None
     if record is not None:
+        os.replace(partial, record_path)
         # The notebook's own verdict wins for oom/nan; a crash after an ok record stays an error.
         rec_status = record.get("status", "ok")
-        if rec_status != "ok" or status == "ok":
+        if rec_status not in results.STATUSES:
+            status, error = "error", f"the record's status {rec_status!r} is not one of {results.STATUSES}"
+        elif rec_status != "ok" or status == "ok":
             status, error = rec_status, record.get("error") or error
-    elif status == "ok" and spec.record:
-        status, error = "error", f"the notebook finished but wrote no record at result_json={record_path}"
+    else:
+        partial.unlink(missing_ok=True)
+        record_path.unlink(missing_ok=True)  # this run has no record; do not leave an older one behind
+        if status == "ok" and spec.record:
+            status, error = "error", f"the notebook finished but wrote no record at result_json={partial}"
     return build_row(spec.name, point, status, error, elapsed, record, layout, record_path, notebook_out)
 
 

@@ -60,7 +60,7 @@ def exchange_plan(expert_counts: jax.Array, axis_name: str) -> tuple[ExchangePla
         output_offsets=_exclusive_cumsum(block, 0)[me],  # sources before me fill rank p's buffer first
         recv_sizes=recv_sizes,
         recv_offsets=_exclusive_cumsum(recv_sizes, 0),
-        return_offsets=_exclusive_cumsum(block, 0)[:, me],
+        return_offsets=_exclusive_cumsum(block, 1)[:, me],
     )
     plan = jax.tree.map(lambda a: a.astype(jnp.int32), plan)
     return plan, all_counts[:, me, :].astype(jnp.int32)
@@ -107,22 +107,18 @@ def _exchange(x, plan, out_rows, axis_name, impl):
 
 
 def _emulated_exchange(x, plan, out_rows, axis_name):
-    """Same result as ragged_all_to_all through a padded all_to_all (moves P*N rows: CPU tests only)."""
-    n_ranks = plan.send_sizes.shape[0]
+    """ragged_all_to_all semantics through a padded all_to_all (moves P*N rows: CPU tests only).
+
+    Like the native collective, rows land where the *sender's* output_offsets say."""
     n = x.shape[0]
     i = jnp.arange(n, dtype=jnp.int32)
-    src_rows = plan.input_offsets[:, None] + i  # (P, N)
-    valid = i < plan.send_sizes[:, None]
-    blocks = jnp.where(valid[..., None], x[jnp.clip(src_rows, 0, n - 1)], 0)  # (P, N, H)
+    valid = i < plan.send_sizes[:, None]  # (P, N)
+    blocks = jnp.where(valid[..., None], x[jnp.clip(plan.input_offsets[:, None] + i, 0, n - 1)], 0)  # (P, N, H)
+    target = jnp.where(valid, plan.output_offsets[:, None] + i, out_rows)  # (P, N) rows in the receiver
     got = jax.lax.all_to_all(blocks, axis_name, 0, 0)  # (P src, N, H)
-    # My rows are laid out from offset output_offsets as sent; sources put them at recv_offsets (equal).
-    rows = jnp.arange(out_rows, dtype=jnp.int32)
-    ends = plan.recv_offsets + plan.recv_sizes
-    src = jnp.clip(jnp.searchsorted(ends, rows, side="right"), 0, n_ranks - 1).astype(jnp.int32)
-    pos = rows - plan.recv_offsets[src]
-    ok = (rows < ends[-1]) & (pos < n)
-    picked = got[src, jnp.clip(pos, 0, n - 1)]  # (out_rows, H)
-    return jnp.where(ok[:, None], picked, 0).astype(x.dtype)
+    got_target = jax.lax.all_to_all(target, axis_name, 0, 0)  # (P src, N)
+    output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+    return output.at[got_target.reshape(-1)].set(got.reshape((-1,) + x.shape[1:]), mode="drop")
 
 
 def default_impl(platform: str) -> str:
