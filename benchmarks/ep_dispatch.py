@@ -31,7 +31,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -47,7 +47,8 @@ SHAPES = {  # name: (tokens per rank, hidden, top_k, experts, moe_ffn_dim)
     "reduced": (4096, 1280, 6, 64, 512),
     "smoke": (64, 32, 3, 8, 16),
 }
-HOST_MARKERS = ("is_host_transfer=true", "outfeed", "infeed", "send(", "recv(", "callback")
+# Device-to-host traffic in compiled HLO: host send/recv, in/outfeed, Python callbacks.
+HOST_MARKERS = ("is_host_transfer=true", "outfeed", "infeed", "callback")
 
 
 def routing_ids(rng, n_tokens, k, n_experts) -> np.ndarray:
@@ -120,15 +121,17 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
         back = jax.lax.all_to_all(there * jnp.asarray(0.5, buf.dtype), "expert", 0, 0)
         return back.reshape(buf.shape)
 
-    def a2a_buffer(rows_per_dest):
-        return jnp.asarray(rng.normal(size=(n_ranks * n_ranks * rows_per_dest, h)), jnp.bfloat16)
+    def a2a_buffer(rows_per_dest):  # made on the devices: the ragged-real one is ~0.5 GB at dsv3
+        shape = (n_ranks * n_ranks * rows_per_dest, h)
+        return jax.jit(lambda: jnp.ones(shape, jnp.bfloat16), out_shardings=NamedSharding(mesh, P("expert")))()
 
     pairs = n_ranks * (n_ranks - 1)  # (source, remote destination) pairs
     deepep_real = 2 * deepep_rows * (row_bytes + meta_bytes // 2)  # ids/weights go out, not back
     ragged_real = 2 * ragged_rows * row_bytes
     worst = 2 * pairs * t * row_bytes
     cases = [
-        ("deepep", chained(mesh, deepep, inner, 3), (x, ids, w), deepep_real, 2 * pairs * t * (row_bytes + meta_bytes // 2)),
+        ("deepep", chained(mesh, deepep, inner, 3), (x, ids, w), deepep_real,
+         2 * pairs * t * (row_bytes + meta_bytes // 2)),
         ("a2a_real", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(-(-deepep_rows // pairs)),), deepep_real,
          deepep_real),
         ("a2a_worst", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(t),), worst, worst),
@@ -152,7 +155,8 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
     for ours, ref in (("deepep", "a2a_real"), ("ragged_a2a", "a2a_ragged_real")):
         if ours in by and ref in by:
             by[ours]["vs_a2a_real"] = by[ref]["time_ms"] / by[ours]["time_ms"]
-            print(f"{shape_name:8s} {ours} at {by[ours]['vs_a2a_real']:.2f}x the all_to_all bandwidth of its real bytes")
+            print(f"{shape_name:8s} {ours} at {by[ours]['vs_a2a_real']:.2f}x the all_to_all bandwidth "
+                  "of its real bytes")
     return rows
 
 
@@ -217,12 +221,16 @@ def check_rows(mesh, impl):
             def loss(x, w, experts):
                 return jnp.sum(fn(x, routing._replace(weights=w), experts)[0] ** 2)
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, routing.weights, experts)
-        ref = loss_grads(moe_path_fn(path, 1.25))
-        got = loss_grads(ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange,
-                                     exchange_impl=impl))
+        name = f"{path}/{exchange}" if path == "turbo" else path
+        try:
+            ref = loss_grads(moe_path_fn(path, 1.25))
+            got = loss_grads(ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange,
+                                         exchange_impl=impl))
+        except Exception as err:  # record and go on to the timings
+            print(f"check {name}: failed: {type(err).__name__}: {str(err)[:300]}")
+            continue
         err = max(float(jnp.max(jnp.abs(a - r)) / (jnp.max(jnp.abs(r)) + 1e-30))
                   for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
-        name = f"{path}/{exchange}" if path == "turbo" else path
         print(f"check EP={n_ranks} {name:24s} max relative error (loss and grads) vs one device: {err:.2e}")
         rows.append(dict(kind="check_vs_one_device", shape="check", method=name, ep=n_ranks, max_rel_error=err))
     return rows

@@ -4,6 +4,8 @@ XLA:CPU has no ragged-all-to-all thunk, so the ragged exchange runs its emulatio
 same offsets, a padded all_to_all underneath); the GPU runs `jax.lax.ragged_all_to_all`.
 """
 
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -158,7 +160,7 @@ def test_compiled_step_has_no_host_synchronisation(path, exchange):
     hlo = jax.jit(step).lower(x, routing.weights, experts).compile().as_text()
     for marker in HOST_TRANSFER_MARKERS:
         assert marker not in hlo, f"compiled HLO contains {marker!r}"
-    targets = set(__import__("re").findall(r'custom_call_target="([^"]+)"', hlo))
+    targets = set(re.findall(r'custom_call_target="([^"]+)"', hlo))
     assert all(t.startswith("turbo_moe_") for t in targets), targets
     assert "all-to-all" in hlo
     if exchange == "ragged_all_to_all" or path == "ragged":  # the GPU's native collective: lowered only here
@@ -232,7 +234,7 @@ def test_multiprocess_under_jax_distributed(path, tmp_path):
     worker.write_text(MULTIPROCESS_WORKER)
     port = str(_free_port())
     root = str(Path(__file__).resolve().parents[2])
-    env = {**__import__("os").environ, "PYTHONPATH": root}
+    env = {**os.environ, "PYTHONPATH": root}
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, str(worker), str(i), port, path], cwd=root, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -264,3 +266,64 @@ def test_exchange_plan_is_consistent_between_senders_and_receivers():
                                                     out_specs=P("expert")))(counts)
     np.testing.assert_array_equal(np.asarray(mismatches), 0)
     np.testing.assert_array_equal(np.asarray(local_sizes).reshape(-1), np.asarray(counts).sum(0))
+
+
+@pytest.mark.parametrize("path", ["ragged", pytest.param("turbo", marks=requires_turbo)])
+def test_tiny_model_lm_loss_and_grads_match_one_device(path):
+    """The model's MoE layers switch to EP under a mesh with an expert axis; loss, metrics and every
+    gradient equal the one-device run (data=2 x expert=2)."""
+    from flax import nnx
+
+    from tests.model.conftest import micro_config
+    from turbo_moe.model import DeepSeekModel, lm_loss
+    from turbo_moe.train.step import batch_sharding, make_mesh, state_shardings
+
+    mesh = make_mesh(jax.devices()[:4], expert_parallel=2)
+    cfg = micro_config(moe_path=path, dtype="float32", ep_exchange="deepep")
+    graphdef, params, extra = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    rng = np.random.default_rng(0)
+    batch = {name: jnp.asarray(rng.integers(0, cfg.vocab_size, (8, cfg.max_seq_len)), jnp.int32)
+             for name in ("inputs", "targets")}
+
+    def loss_and_grads(params, extra, batch):
+        def loss(params):
+            return lm_loss(nnx.merge(graphdef, params, extra), batch)
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    (ref_loss, ref_metrics), ref_grads = jax.jit(loss_and_grads)(params, extra, batch)
+    sharded = jax.device_put((params, extra), state_shardings((params, extra), mesh))
+    batch = jax.device_put(batch, batch_sharding(mesh))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(loss_and_grads).lower(*sharded, batch)
+    assert "all-to-all" in lowered.compile().as_text(), "the MoE layers did not run expert-parallel"
+    (loss, metrics), grads = lowered.compile()(*sharded, batch)
+    assert_close((loss, metrics, grads), (ref_loss, ref_metrics, ref_grads), f"{path} tiny model EP=2")
+
+
+@requires_turbo
+def test_train_step_with_expert_parallel_matches_data_parallel():
+    """build_program on a (2, 2) ("data", "expert") mesh: expert weights and their AdamW moments split
+    over "expert", one optimizer step equal to the (4, 1) data-parallel one."""
+    from tests.model.conftest import micro_config
+    from turbo_moe.train import TrainConfig
+    from turbo_moe.train.step import build_program, device_batch, make_mesh, make_optimizer
+
+    cfg = micro_config(moe_path="turbo", dtype="float32")
+    tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", expert_parallel=2))
+    rng = np.random.default_rng(1)
+    batch = {name: rng.integers(0, cfg.vocab_size, (8, cfg.max_seq_len)).astype(np.int32)
+             for name in ("inputs", "targets")}
+    results = []
+    for ep in (1, 2):
+        mesh = make_mesh(jax.devices()[:4], expert_parallel=ep)
+        program = build_program(cfg, tx, mesh)
+        state = program.init(jax.random.key(0))
+        experts = state.params["layers"][1]["ffn"]["experts"]["w_gate_up"][...]
+        assert experts.sharding.spec == jax.sharding.PartitionSpec("expert")
+        assert experts.addressable_shards[0].data.shape[0] == cfg.n_experts // ep
+        sharded_batch = device_batch(batch, mesh)
+        if ep > 1:
+            assert "all_to_all" in program.train.lower(state, sharded_batch).as_text(), "MoE layers ran without EP"
+        state, metrics = program.train(state, sharded_batch)
+        results.append((metrics, state.params))
+    assert_close(results[1], results[0], "one AdamW step, EP=2 vs EP=1")

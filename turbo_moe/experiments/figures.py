@@ -7,6 +7,7 @@ rows that fed it.
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Iterable
 
 import matplotlib.pyplot as plt
@@ -35,28 +36,38 @@ def with_path_labels(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def _values(column: pd.Series) -> list[str]:
+    return sorted({str(v) for v in column if v is not None and not pd.isna(v) and str(v) != ""})
+
+
 def _unique(values: Iterable[object]) -> str:
-    seen = sorted({str(v) for v in values if v is not None and not pd.isna(v) and str(v) != ""})
+    seen = _values(pd.Series(list(values), dtype=object))
     return ", ".join(seen) if seen else "unknown"
+
+
+def _short_commit(text: str) -> str:
+    """The hash (10 hex digits) when the text holds one, e.g. 'daa4578+working tree (...)' -> 'daa4578+'."""
+    match = re.match(r"[0-9a-f]{7,40}", text)
+    if not match:
+        return text[:20]
+    return match.group(0)[:10] + ("+" if len(text) > len(match.group(0)) else "")
 
 
 def add_provenance(fig: plt.Figure, rows: pd.DataFrame) -> plt.Figure:
     """Footer: devices, run dates, commits of the rows drawn, and when the figure was made."""
-    def col(name: str, *aliases: str) -> str:
+    def values(name: str, *aliases: str) -> list[str]:
         for candidate in (name, *aliases):  # kernel tables may spell provenance differently
             if candidate in rows:
-                return _unique(rows[candidate])
-        return "unknown"
+                return _values(rows[candidate])
+        return []
 
-    dates = col("date")
-    if dates != "unknown":
-        days = sorted({d[:10] for d in dates.split(", ")})
-        dates = days[0] if len(days) == 1 else f"{days[0]} .. {days[-1]}"
+    days = sorted({d[:10] for d in values("date")})
+    dates = "unknown" if not days else days[0] if len(days) == 1 else f"{days[0]} .. {days[-1]}"
+    commits = ", ".join(sorted({_short_commit(c) for c in values("git_commit", "commit")})) or "unknown"
+    devices = ", ".join(values("device_kind", "device")) or "unknown"
     made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    commits = col("git_commit", "commit")
-    if commits != "unknown":
-        commits = ", ".join(sorted({c[:10] for c in commits.split(", ")}))
-    text = f"device: {col('device_kind', 'device')} | run date: {dates} | commit: {commits} | drawn {made}"
+    commits += " (+: modified tree)" if "+" in commits else ""
+    text = f"device: {devices} | run date: {dates} | commit: {commits} | drawn {made}"
     # Reserve a strip at the bottom so the footer never overlaps rotated tick labels.
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
     fig.text(0.01, 0.05 / fig.get_figheight(), text, fontsize=7, color="0.35", ha="left", va="bottom")
@@ -210,7 +221,11 @@ def kernel_tflops(kernels: pd.DataFrame) -> plt.Figure | None:
     grouped = rows[~rows["impl"].isin(CEILING_IMPLS)]
     if grouped.empty:
         return None
-    routings, ops = sorted(grouped["routing"].unique()), [o for o in GEMM_OPS if o in set(grouped["op"])]
+    routings = sorted(grouped["routing"].unique())
+    # The comparisons the report is about; other routings (one_group, half_empty) stay in the table.
+    routings = [r for r in ("balanced", "skewed") if r in routings] or routings
+    ops = [o for o in GEMM_OPS if o in set(grouped["op"])]
+    impls = sorted(grouped["impl"].unique(), key=lambda i: (i != "turbo", i))  # same colours in every panel
     shapes = list(dict.fromkeys(grouped["shape"]))
     width = max(6.0, 0.9 * len(shapes))
     fig, axes = plt.subplots(len(routings), len(ops), figsize=(width * len(ops), 4.2 * len(routings)),
@@ -219,15 +234,16 @@ def kernel_tflops(kernels: pd.DataFrame) -> plt.Figure | None:
         for c, op in enumerate(ops):
             ax, panel = axes[r][c], grouped[(grouped["routing"] == routing) & (grouped["op"] == op)]
             if not panel.empty:
-                sns.barplot(data=panel, x="shape", y="tflops", hue="impl", order=shapes, errorbar=None, ax=ax)
+                sns.barplot(data=panel, x="shape", y="tflops", hue="impl", order=shapes, hue_order=impls,
+                            errorbar=None, ax=ax)
             for i, shape in enumerate(shapes):
                 if (shape, op) in ceiling:
                     ax.hlines(ceiling[(shape, op)], i - 0.45, i + 0.45, color="black", linewidth=2,
                               label="dense GEMM ceiling" if i == 0 else None)
             ax.set(xlabel="shape", ylabel="TFLOP/s", title=f"Grouped GEMM {op}, {routing} routing")
-            ax.set_ylim(0, 1.25 * float(rows["tflops"].max()))  # headroom for the legend
+            ax.set_ylim(0, 1.35 * float(rows["tflops"].max()))  # headroom for the legend
             ax.tick_params(axis="x", rotation=30, labelsize=7)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, ncol=len(impls) + 1, loc="upper center")
     return add_provenance(fig, kernels)
 
 

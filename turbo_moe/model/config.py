@@ -13,6 +13,7 @@ import os
 from typing import Any, Mapping
 
 MOE_PATHS = ("dense_cf", "ragged", "turbo")
+EP_EXCHANGES = ("deepep", "ragged_all_to_all")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -76,6 +77,11 @@ class ModelConfig:
     router_bias_rate: float = 1e-3
     moe_path: str = "ragged"
     capacity_factor: float = 1.25  # dense_cf only; <= 0 computes every expert densely
+    # Expert parallelism (used when the ambient mesh has an "expert" axis of size > 1):
+    ep_exchange: str = "deepep"  # turbo's exchange: "deepep" (moe_dispatch/combine) | "ragged_all_to_all"
+    # deepep slots per source rank as a fraction of its tokens; 0 (or 1) = every token (never drops),
+    # in (0, 1) caps the buffers and counts the overflowing copies in dropped_fraction.
+    ep_capacity_factor: float = 0.0
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat_policy: str = "none"
@@ -251,6 +257,10 @@ def _validate(c: ModelConfig) -> None:
                  f"must be a finite number >= 0, got {value!r}")
     _require(isinstance(c.capacity_factor, (int, float)) and math.isfinite(c.capacity_factor),
              "capacity_factor", f"must be a finite number, got {c.capacity_factor!r}")
+    _require(c.ep_exchange in EP_EXCHANGES, "ep_exchange",
+             f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
+    _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
+             "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
     _require(isinstance(c.tie_embeddings, bool), "tie_embeddings", f"must be a bool, got {c.tie_embeddings!r}")
 
 

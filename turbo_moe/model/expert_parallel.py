@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
 from turbo_moe.model.ep_exchange import default_impl
 from turbo_moe.model.ep_local import dense_cf_ep_local, deepep_capacity, turbo_deepep_local
 from turbo_moe.model.ep_ragged import ragged_ep_local, turbo_ragged_ep_local
 from turbo_moe.model.experts import ExpertStats, ExpertWeights
 from turbo_moe.model.router import Routing
 
-EP_PATHS = ("dense_cf", "ragged", "turbo")
-EP_EXCHANGES = ("deepep", "ragged_all_to_all")
+EP_PATHS = MOE_PATHS
 EXPERT_AXIS = "expert"
 
 
@@ -133,7 +133,8 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
         if n_experts % n_ranks:
             raise ValueError(f"n_experts={n_experts} must be divisible by the {expert_axis!r} axis size {n_ranks}")
         if b % n_devices:
-            raise ValueError(f"x: batch {b} must be divisible by the {n_devices} devices of the mesh {dict(mesh.shape)}")
+            raise ValueError(f"x: batch {b} must be divisible by the {n_devices} devices of the mesh "
+                             f"{dict(mesh.shape)}")
         body = _local_body(path, n_experts=n_experts, axis_name=expert_axis, capacity_factor=capacity_factor,
                            ep_exchange=ep_exchange, ep_capacity_factor=ep_capacity_factor, impl=impl)
 

@@ -9,6 +9,7 @@ import jax
 from flax import nnx
 
 from turbo_moe.model.config import MOE_PATHS, ModelConfig
+from turbo_moe.model.expert_parallel import ep_moe_path, expert_axis_size
 from turbo_moe.model.experts import ExpertStats, ExpertWeights, RoutedExperts
 from turbo_moe.model.layers import SwiGLU
 from turbo_moe.model.moe_dense_cf import dense_cf_experts
@@ -47,6 +48,9 @@ class MoELayer(nnx.Module):
         """x (B, S, D) -> (y (B, S, D), per-layer stats)."""
         routing = self.router(x)
         path = moe_path_fn(self.cfg.moe_path, self.cfg.capacity_factor)
+        if expert_axis_size() > 1:  # traced under a mesh with an "expert" axis: routed experts split over it
+            path = ep_moe_path(self.cfg.moe_path, capacity_factor=self.cfg.capacity_factor,
+                               ep_exchange=self.cfg.ep_exchange, ep_capacity_factor=self.cfg.ep_capacity_factor)
         y, stats = path(x, routing, self.experts.weights())
         if self.shared is not None:
             y = y + self.shared(x)
