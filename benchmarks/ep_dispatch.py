@@ -17,6 +17,14 @@ Compiled layer steps are checked for device-to-host transfers (column host_trans
 
     PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 python benchmarks/ep_dispatch.py
     (CPU smoke run: XLA_FLAGS=--xla_force_host_platform_device_count=2 ... --smoke)
+
+Bytes are summed over all ranks (GB/s is the aggregate of the whole expert group). On the lent
+2-GPU machine: carry build/ep_lib (libturbo_moe_cpu.so + libturbo_moe_cuda.so) and build/ep_whl
+(flax and its pure deps for Python 3.12, installed only if the image lacks flax), then run
+    python3 -c "import flax.nnx" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps
+      --target /tmp/site build/ep_whl/*.whl && export PYTHONPATH=/tmp/site; }
+    export PYTHONPATH=$PWD:$PYTHONPATH TURBO_MOE_LIB_DIR=$PWD/build/ep_lib NCCL_NVLS_ENABLE=0 ...
+    timeout 430 python3 benchmarks/ep_dispatch.py --out $OUT/ep_dispatch_h200x2.csv
 """
 from __future__ import annotations
 

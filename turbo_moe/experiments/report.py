@@ -54,12 +54,13 @@ class ReportSummary:
 
 
 def comparison_sweeps(frame: pd.DataFrame) -> list[str]:
-    """Sweeps that compare paths at one setting: one ok point per path label (loss/load figures)."""
+    """Sweeps that compare paths at one setting (loss/load figures): each path label has one point,
+    whatever its status, and at least one point has a record. A batch or dataset sweep has several."""
     frame = figures.with_path_labels(frame)
     chosen = []
     for sweep, rows in frame.groupby("sweep"):
-        rows = rows[rows["status"].isin(["ok", "nan"]) & rows["record_path"].notna()]
-        if len(rows) >= 1 and rows["path"].is_unique:
+        recorded = rows[rows["status"].isin(["ok", "nan"]) & rows["record_path"].notna()]
+        if len(recorded) >= 1 and rows["path"].is_unique:
             chosen.append(str(sweep))
     return chosen
 

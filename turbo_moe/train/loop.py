@@ -77,7 +77,7 @@ class _Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
         tc, history = self.tc, self.result.history
-        mesh = make_mesh()
+        mesh = make_mesh(expert_parallel=tc.expert_parallel)
         program = build_program(self.model_cfg, make_optimizer(tc), mesh)
         self.phase = "initialisation"
         state = self._maybe_resume(program.init(jax.random.key(tc.seed)))
