@@ -116,3 +116,21 @@ def test_bad_arguments_are_named():
 
     with pytest.raises(ValueError, match="capacity must be in"):
         jax.shard_map(bad_capacity, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert"))(x, ids, w)
+
+
+def test_replicated_weights_get_summed_gradients_in_shard_map():
+    """Weights replicated over a mesh axis, tokens sharded: the op's weight gradient is the sum over
+    shards (the custom_vjp types its cotangent like the primal), as with jnp ops."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    x, _, _, W = problem(9, 2, 16, 2, 4)
+    sizes = jnp.array([5, 0, 7, 4, 5, 0, 7, 4], jnp.int32)  # per shard: (4,) each
+
+    def sharded(x, W, sizes):
+        return jnp.sum(grouped_gemm(x, W, sizes) ** 2)[None]
+
+    f = jax.shard_map(sharded, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P("data"))
+    grads = jax.grad(lambda x, W: f(x, W, sizes).sum(), argnums=(0, 1))(x, W)
+    ref = jax.grad(lambda x, W: sum(jnp.sum(jax.lax.ragged_dot(x[i * 16:(i + 1) * 16], W, sizes[i * 4:(i + 1) * 4]) ** 2)
+                                    for i in range(2)), argnums=(0, 1))(x, W)
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from turbo_moe.ops._ffi import make_varying, match_varying, varying_axes
+
 NATIVE, EMULATED = "native", "emulated"
 
 
@@ -84,12 +86,14 @@ def ragged_exchange(x: jax.Array, plan: ExchangePlan, out_rows: int, axis_name: 
 
 
 def _exchange_fwd(x, plan, out_rows, axis_name, impl):
-    return _exchange(x, plan, out_rows, axis_name, impl), (plan, x.shape[0])
+    return _exchange(x, plan, out_rows, axis_name, impl), (plan, x.shape[0], x[:0])  # x[:0]: x's type
 
 
 def _exchange_bwd(out_rows, axis_name, impl, residuals, d_out):
-    plan, in_rows = residuals
+    plan, in_rows, x_type = residuals
     d_x = _exchange(d_out, plan.reversed(), in_rows, axis_name, impl)
+    # shard_map types: the cotangent must vary over exactly the mesh axes x varies over.
+    d_x = match_varying(make_varying(d_x, varying_axes(x_type)), x_type)
     return d_x, jax.tree.map(lambda _: None, plan)
 
 
@@ -98,7 +102,7 @@ ragged_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 def _exchange(x, plan, out_rows, axis_name, impl):
     if impl == NATIVE:
-        output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+        output = make_varying(jnp.zeros((out_rows,) + x.shape[1:], x.dtype), varying_axes(x))
         return jax.lax.ragged_all_to_all(x, output, plan.input_offsets, plan.send_sizes, plan.output_offsets,
                                          plan.recv_sizes, axis_name=axis_name)
     if impl == EMULATED:

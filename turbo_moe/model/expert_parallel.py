@@ -92,16 +92,9 @@ def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
 
     They are replicated over the non-expert axes; this cast's transpose sums their gradients over
     those axes. Doing it here also gives the FFI ops' custom_vjps operands of one varying type."""
-    def cast(a):
-        aval = jax.typeof(a)
-        have = getattr(aval, "vma", None)
-        have = getattr(getattr(aval, "mat", None), "varying", frozenset()) if have is None else have
-        missing = tuple(ax for ax in axes if ax not in have)
-        if not missing:
-            return a
-        return jax.lax.pcast(a, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(a, missing)
+    from turbo_moe.ops._ffi import make_varying
 
-    return ExpertWeights(*(cast(a) for a in w))
+    return ExpertWeights(*(make_varying(a, frozenset(axes)) for a in w))
 
 
 def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacity_factor: float = 1.25,

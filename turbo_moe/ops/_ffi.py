@@ -110,6 +110,16 @@ def make_varying(x: Any, axes: frozenset) -> Any:
     return jax.lax.pvary(x, missing)
 
 
+def match_varying(grad: Any, primal: Any) -> Any:
+    """A custom_vjp cotangent typed like its primal input inside shard_map.
+
+    When a primal input is invariant over a mesh axis (replicated, e.g. expert weights over `data`)
+    but was used in per-shard computation, its gradient is the sum of the per-shard gradients.
+    """
+    extra = tuple(sorted(varying_axes(grad) - varying_axes(primal)))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
 def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any) -> Any:
     """Calls a registered target; vmap broadcasts every operand to the batch (kernels take leading dims).
 

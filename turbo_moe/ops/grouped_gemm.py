@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
-from turbo_moe.ops._ffi import ffi_call
+from turbo_moe.ops._ffi import ffi_call, match_varying
 
 
 def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, preferred_element_type=None,
@@ -103,7 +103,7 @@ def _grouped_gemm_bwd(transpose_rhs, out_dtype, residuals, d_out):
         d_rhs = _weight_grad_call(d_out, lhs, group_sizes, rhs.dtype)  # (G, N, K)
     else:
         d_rhs = _weight_grad_call(lhs, d_out, group_sizes, rhs.dtype)  # (G, K, N)
-    return d_lhs, d_rhs, None
+    return match_varying(d_lhs, lhs), match_varying(d_rhs, rhs), None
 
 
 _grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)

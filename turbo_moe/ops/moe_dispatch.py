@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
-from turbo_moe.ops._ffi import ffi_call
+from turbo_moe.ops._ffi import ffi_call, match_varying
 from turbo_moe.ops.unpermute import unpermute_call
 
 
@@ -98,11 +98,11 @@ def _dispatch_pack(x, expert_ids, weights, P, El, C):
 
 def _dispatch_pack_fwd(x, expert_ids, weights, P, El, C):
     outs = _pack_call(x, expert_ids, weights, P, El, C)
-    return outs, (expert_ids, outs[5])
+    return outs, (expert_ids, outs[5], x[:0], weights[:0])  # [:0]: the inputs' types, no data
 
 
 def _dispatch_pack_bwd(P, El, C, residuals, cotangents):
-    expert_ids, slot = residuals
+    expert_ids, slot, x_type, w_type = residuals
     d_send_x, _, d_send_w = cotangents[:3]
     T, k = expert_ids.shape
     rows = slot_rows(slot, C)  # (T, P)
@@ -115,7 +115,7 @@ def _dispatch_pack_bwd(P, El, C, residuals, cotangents):
     sent = valid & (dest_slot >= 0)
     flat = (dest * C + jnp.maximum(dest_slot, 0)) * k + jnp.arange(k, dtype=jnp.int32)
     d_w = jnp.where(sent, d_send_w.reshape(-1)[flat], 0.0)
-    return d_x, None, d_w
+    return match_varying(d_x, x_type), None, match_varying(d_w, w_type)
 
 
 _dispatch_pack.defvjp(_dispatch_pack_fwd, _dispatch_pack_bwd)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
-from turbo_moe.ops._ffi import ffi_call
+from turbo_moe.ops._ffi import ffi_call, match_varying
 
 
 class PermuteHandle(NamedTuple):
@@ -65,15 +65,16 @@ def _permute(x, expert_ids, num_experts):
 
 def _permute_fwd(x, expert_ids, num_experts):
     x_sorted, group_sizes, row_index = _permute_call(x, expert_ids, num_experts)
-    return (x_sorted, group_sizes, row_index), row_index
+    return (x_sorted, group_sizes, row_index), (row_index, x[:0])  # x[:0]: x's type, no data
 
 
-def _permute_bwd(num_experts, row_index, cotangents):
+def _permute_bwd(num_experts, residuals, cotangents):
+    row_index, x_type = residuals
     from turbo_moe.ops.unpermute import unpermute_call
 
     d_sorted = cotangents[0]  # (T*k, H); group_sizes and row_index are integers: no gradient
     ones = jnp.ones(row_index.shape, jnp.float32)
-    return unpermute_call(d_sorted, row_index, ones), None
+    return match_varying(unpermute_call(d_sorted, row_index, ones), x_type), None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
