@@ -77,6 +77,7 @@ class _Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
         tc, history = self.tc, self.result.history
+        self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
         program = build_program(self.model_cfg, make_optimizer(tc), mesh)
         self.phase = "initialisation"
@@ -212,6 +213,9 @@ class _Trainer:
         fpt = flops_per_token(self.model_cfg, self.seq_len)
         params = count_params(self.model_cfg)
         peak_mem, mem_source = M.peak_memory()
+        if peak_mem is not None and peak_mem == getattr(self, "peak_memory_at_start", None) and peak_mem > 0:
+            # This run never raised the process peak: the figure belongs to an earlier run in this process.
+            mem_source += " (unchanged by this run: an earlier run in this process set it; see compiled_*_bytes)"
         evals = [r["eval_loss"] for r in history if math.isfinite(r.get("eval_loss", math.nan))]
         ratios = [r["load_max_over_mean"] for r in history if math.isfinite(r["load_max_over_mean"])]
         return {
