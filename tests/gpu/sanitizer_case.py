@@ -9,7 +9,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from tests.gpu import reference as ref
+from tests import reference as ref
 from turbo_moe import ops
 
 

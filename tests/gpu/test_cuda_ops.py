@@ -12,7 +12,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from tests.gpu import reference as ref
+from tests import reference as ref
 
 try:
     GPU = jax.devices("gpu")[0]

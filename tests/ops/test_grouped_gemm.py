@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tests.ops import reference
+from tests import reference
 from turbo_moe.ops import grouped_gemm, grouped_gemm_weight_grad
 
 # Relative error bounds (‖out − ref‖ / ‖ref‖) by input dtype: f32 accumulation in all cases.

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from tests.ops import reference
+from tests import reference
 from turbo_moe.ops import PermuteHandle, grouped_gemm, permute, unpermute
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

@@ -1,5 +1,4 @@
-"""Vectorised float64 numpy references for the GPU tests (same semantics as tests/ops/reference.py,
-fast enough for M up to 131072)."""
+"""Vectorised float64 numpy references of the ops (CPU and GPU tests share them; fast up to M = 131072)."""
 import numpy as np
 
 
