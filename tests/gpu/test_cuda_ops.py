@@ -14,11 +14,9 @@ import jax.numpy as jnp
 
 from tests import reference as ref
 
-try:
-    GPU = jax.devices("gpu")[0]
-except RuntimeError:
-    GPU = None
-pytestmark = pytest.mark.skipif(GPU is None, reason="needs a CUDA device (JAX_PLATFORMS=cuda,cpu)")
+from tests.gpu import GPU, requires_gpu
+
+pytestmark = requires_gpu
 
 if GPU is not None:
     from turbo_moe import ops
