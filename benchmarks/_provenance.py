@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -10,6 +11,8 @@ import jax
 
 
 def git_commit() -> str:
+    if os.environ.get("TURBO_MOE_GIT_COMMIT"):  # a copied tree without .git (the GPU machine)
+        return os.environ["TURBO_MOE_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, check=True).stdout.strip()

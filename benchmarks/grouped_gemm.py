@@ -287,7 +287,7 @@ def provenance(args) -> dict:
                                 text=True, timeout=10).stdout.strip()
     except Exception:
         commit = ""
-    return dict(device=dev.device_kind, jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", commit or "unknown"),
+    return dict(device=dev.device_kind, jax=jax.__version__, commit=os.environ.get("TURBO_MOE_GIT_COMMIT", commit or "unknown"),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
                 params=f"bf16 warmup={args.warmup} reps={args.reps} median; skewed=Dirichlet(2) seed 0; "
                        f"timer=cuda events on XLA stream")

@@ -19,6 +19,8 @@ def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experiments-dir", type=Path,
                    help="folder holding results/ and runs/ (default: the spec's experiments/ folder)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--budget-s", type=float, metavar="SECONDS",
+                   help="start no new point after this many seconds (the rest stay pending for the next run)")
 
 
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +50,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         for p in planned:
             print(f"  [{p.action:4s}] {p.point.name}")
         return 0
+    if args.budget_s is not None and args.budget_s <= 0:
+        raise ValueError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     rows = run_sweep(spec, layout=layout, force=args.force, only=args.only, kernel=args.kernel,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, budget_s=args.budget_s)
     return 0 if all(r["status"] != "error" for r in rows) else 1
 
 

@@ -137,3 +137,65 @@ def test_only_glob_and_record_false(toy_notebook, test_kernel, layout, monkeypat
     assert ran == [2, 3] and [r["status"] for r in rows] == ["ok", "ok"]  # no record needed
     assert rows[0]["record"] is None and rows[0]["notebook_out"] == "runs/toy/x-2.ipynb"
     assert rows[0]["git_commit"] is None or isinstance(rows[0]["git_commit"], str)
+
+
+def test_oom_frontier_skips_larger_batches_of_the_same_config(toy_notebook, layout, monkeypatch):
+    """Once batch 4 of config "a" runs out of memory, batch 8 of "a" is not run; "b" is unaffected.
+    The skipped point is recorded with its reason, and a later run (after the OOM is gone) runs it."""
+    spec = spec_from_dict({"name": "toy", "notebook": str(toy_notebook), "oom_frontier": "batch",
+                           "grid": {"cfg": ["a", "b"], "batch": [2, 4, 8]}})
+    ran, too_big = [], {"a": 4}
+
+    def fake_execute(spec_, params, notebook_out, kernel):
+        ran.append((params["cfg"], params["batch"]))
+        if params["batch"] >= too_big.get(params["cfg"], 10**9):
+            return "oom", "RESOURCE_EXHAUSTED: out of memory"
+        json.dump({"status": "ok", "summary": {"tgs": 1.0}}, open(params["result_json"], "w"))
+        return "ok", None
+
+    monkeypatch.setattr(runner, "execute_notebook", fake_execute)
+    monkeypatch.setattr(runner, "check_kernel", lambda name: None)
+    rows = run_sweep(spec, layout=layout, progress=False)
+    assert [(r["cfg"], r["batch"], r["status"]) for r in rows] == [
+        ("a", 2, "ok"), ("a", 4, "oom"), ("a", 8, "skipped"), ("b", 2, "ok"), ("b", 4, "ok"), ("b", 8, "ok")]
+    assert ran == [("a", 2), ("a", 4), ("b", 2), ("b", 4), ("b", 8)]
+    assert "batch=4 of the same configuration ran out of memory" in rows[2]["error"]
+    assert results.read_table(layout.table)["status"].tolist()[2] == "skipped"
+
+    # Re-run: the OOM row is final and still blocks batch 8 (read back from the table, not memory).
+    ran.clear()
+    assert [r["status"] for r in run_sweep(spec, layout=layout, progress=False)] == ["skipped"] and ran == []
+    # With --force nothing is known: everything runs, and now batch 4 fits, so batch 8 runs too.
+    too_big.clear()
+    rows = run_sweep(spec, layout=layout, progress=False, force=True)
+    assert all(r["status"] == "ok" for r in rows) and len(ran) == 6
+
+
+@pytest.mark.parametrize("frontier, message", [
+    ("nope", "must name a parameter that the grid or points vary"),
+    ("cfg", "must take numbers"),
+    (["batch"], "must be a parameter name"),
+])
+def test_oom_frontier_must_name_a_numeric_varying_parameter(toy_notebook, frontier, message):
+    with pytest.raises(ValueError, match=message):
+        spec_from_dict({"name": "toy", "notebook": str(toy_notebook), "oom_frontier": frontier,
+                        "grid": {"cfg": ["a", "b"], "batch": [2, 4]}})
+
+
+def test_budget_leaves_unstarted_points_pending(toy_notebook, layout, monkeypatch):
+    """With a spent time budget no new point starts; those points have no row and run next time."""
+    spec = spec_from_dict({"name": "toy", "notebook": str(toy_notebook), "points": [{"x": 1}, {"x": 2}]})
+
+    def slow_execute(spec_, params, notebook_out, kernel):
+        clock[0] += 10.0  # each point "takes" 10 s of the fake clock
+        json.dump({"status": "ok", "summary": {"tgs": 1.0}}, open(params["result_json"], "w"))
+        return "ok", None
+
+    clock = [0.0]
+    monkeypatch.setattr(runner, "execute_notebook", slow_execute)
+    monkeypatch.setattr(runner, "check_kernel", lambda name: None)
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    rows = run_sweep(spec, layout=layout, progress=False, budget_s=5.0)
+    assert [r["point"] for r in rows] == ["x-1"]
+    assert list(results.read_table(layout.table)["point"]) == ["x-1"]
+    assert [r["point"] for r in run_sweep(spec, layout=layout, progress=False)] == ["x-2"]

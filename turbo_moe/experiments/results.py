@@ -22,8 +22,9 @@ from typing import Any
 
 import pandas as pd
 
-# Statuses a point can end with. "error" points are retried on re-run; the others are final.
-STATUSES = ("ok", "oom", "nan", "error")
+# Statuses a point can end with. "error" points are retried on re-run; so are "skipped" ones (not run
+# because a smaller point of the spec's oom_frontier ran out of memory). The others are final.
+STATUSES = ("ok", "oom", "nan", "error", "skipped")
 FINAL_STATUSES = ("ok", "oom", "nan")
 # Columns that lead every table, in this order; parameters follow, then summary and provenance fields.
 LEAD_COLUMNS = ("sweep", "point", "point_key", "status", "error")
@@ -89,14 +90,18 @@ def latest_rows(table: pd.DataFrame) -> pd.DataFrame:
 
 def finished_points(csv_path: str | Path) -> dict[str, str]:
     """``{point name: point_key}`` of points whose latest row has a final status (ok/oom/nan)."""
+    return {name: key for name, (key, status) in latest_status(csv_path).items() if status in FINAL_STATUSES}
+
+
+def latest_status(csv_path: str | Path) -> dict[str, tuple[str, str]]:
+    """``{point name: (point_key, status)}`` of every point's latest row."""
     csv_path = Path(csv_path)
     if not csv_path.exists():
         return {}
     table = latest_rows(read_table(csv_path))
     if table.empty or "point_key" not in table:
         return {}
-    done = table[table["status"].isin(FINAL_STATUSES)]
-    return {str(p): str(k) for p, k in zip(done["point"], done["point_key"])}
+    return {str(p): (str(k), str(s)) for p, k, s in zip(table["point"], table["point_key"], table["status"])}
 
 
 def load_results(results_dir: str | Path) -> pd.DataFrame:

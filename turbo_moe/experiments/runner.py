@@ -8,7 +8,9 @@ Files a sweep ``<s>`` writes (``experiments/`` defaults, see ``SweepLayout``)::
 
 A point that fails (exception, dead kernel, timeout) becomes a row with status ``error`` (``oom`` when the
 message says the device ran out of memory) and the sweep goes on. Points whose latest row is final
-(ok/oom/nan) with the same parameters are skipped on re-run; ``error`` points are retried.
+(ok/oom/nan) with the same parameters are skipped on re-run; ``error`` points are retried. With the spec's
+``oom_frontier`` (say ``per_device_batch``), points larger than one that ran out of memory are not run but
+recorded with status ``skipped`` and the reason (and retried on a later run, like ``error`` points).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from turbo_moe.experiments import results
-from turbo_moe.experiments.spec import SweepPoint, SweepSpec
+from turbo_moe.experiments.spec import SweepPoint, SweepSpec, params_key
 
 _OOM_PATTERN = re.compile(r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b", re.IGNORECASE)
 # RunResult.summary keys copied into each row (any other summary keys are copied too, after these).
@@ -98,18 +100,34 @@ def run_sweep(
     kernel: str | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    budget_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every pending point of ``spec``; returns the rows appended (one per point run)."""
+    """Run every pending point of ``spec``; returns the rows appended (one per point run).
+
+    ``budget_s``: start no new point once this many seconds have passed; the points not started stay
+    pending (no row), so the next run picks them up.
+    """
+    start = time.monotonic()
     planned = plan_sweep(spec, layout, force=force, only=only)
     check_kernel(kernel or spec.kernel)
     pending = [p.point for p in planned if p.action == "run"]
     skipped = len(planned) - len(pending)
     log(f"sweep {spec.name}: {len(planned)} points, {skipped} already finished, {len(pending)} to run")
     rows = []
+    frontier = OomFrontier(spec, {} if force else results.latest_status(layout.table))
     bar = tqdm(pending, desc=spec.name, unit="point", disable=not progress)
-    for point in bar:
+    for i, point in enumerate(bar):
+        if budget_s is not None and time.monotonic() - start > budget_s:
+            log(f"sweep {spec.name}: time budget of {budget_s:.0f} s spent; {len(pending) - i} points left "
+                "pending for the next run")
+            break
         bar.set_postfix_str(point.name)
-        row = run_point(spec, point, layout=layout, kernel=kernel or spec.kernel)
+        reason = frontier.blocks(point)
+        if reason is not None:
+            row = build_row(spec.name, point, "skipped", reason, 0.0, None, layout, layout.record(point), None)
+        else:
+            row = run_point(spec, point, layout=layout, kernel=kernel or spec.kernel)
+            frontier.note(point, row["status"])
         results.append_row(layout.table, row)
         rows.append(row)
         if row["status"] != "ok":
@@ -119,6 +137,46 @@ def run_sweep(
     log(f"sweep {spec.name}: done; this run " + ", ".join(f"{k}={v}" for k, v in counts.items() if v)
         + f"; table {layout.table}")
     return rows
+
+
+class OomFrontier:
+    """The points of ``spec.oom_frontier`` known to run out of memory (from the table and this run).
+
+    A point is blocked when a point with the same other parameters and a smaller or equal frontier value
+    ran out of memory: a larger per-device batch of the same config cannot fit either.
+    """
+
+    def __init__(self, spec: SweepSpec, latest: dict[str, tuple[str, str]]):
+        self.param = spec.oom_frontier
+        self.ooms: dict[str, list[tuple[float, str]]] = {}
+        if self.param is not None:
+            for point in spec.expand():
+                if latest.get(point.name) == (point.key, "oom"):
+                    self.note(point, "oom")
+
+    def _others(self, point: SweepPoint) -> str | None:
+        if self.param is None or not isinstance(point.params.get(self.param), (int, float)):
+            return None
+        return params_key({k: v for k, v in point.params.items() if k != self.param})
+
+    def note(self, point: SweepPoint, status: str) -> None:
+        """Record a finished point: an OOM joins the frontier; any other outcome replaces an older OOM."""
+        others = self._others(point)
+        if others is None:
+            return
+        known = [entry for entry in self.ooms.get(others, []) if entry[1] != point.name]
+        if status == "oom":
+            known.append((point.params[self.param], point.name))
+        self.ooms[others] = known
+
+    def blocks(self, point: SweepPoint) -> str | None:
+        """Why ``point`` is not run, or None to run it."""
+        others = self._others(point)
+        for value, name in self.ooms.get(others, []) if others is not None else []:
+            if point.params[self.param] >= value:
+                return (f"not run: {self.param}={value} of the same configuration ran out of memory "
+                        f"(point {name}); oom_frontier={self.param}")
+        return None
 
 
 def run_point(spec: SweepSpec, point: SweepPoint, *, layout: SweepLayout, kernel: str) -> dict[str, Any]:
@@ -248,7 +306,10 @@ def _package_version(name: str) -> str | None:
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
-    """Short commit of the working tree (with ``-dirty`` when modified), or None outside git."""
+    """Short commit of the working tree (with ``-dirty`` when modified), or None outside git.
+    ``$TURBO_MOE_GIT_COMMIT`` names it where the tree is a copy without ``.git``."""
+    if os.environ.get("TURBO_MOE_GIT_COMMIT"):
+        return os.environ["TURBO_MOE_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=10"],

@@ -7,6 +7,9 @@ A spec names one notebook and the parameter points to run it with::
     notebook: notebooks/02_train.ipynb  # relative to the spec file, the repository root or the cwd
     kernel: turbo-moe                   # optional Jupyter kernel name
     cell_timeout_s: 1800                # optional per-cell limit
+    oom_frontier: per_device_batch      # optional: once a point runs out of memory, do not run the
+                                        # points that differ from it only by a larger value of this
+                                        # parameter (recorded as status "skipped", with the reason)
     record: true                        # the notebook writes a JSON record at `result_json`
     base: {model: small, steps: 40}     # parameters shared by every point
     grid:                               # cartesian product of these axes
@@ -38,7 +41,8 @@ import yaml
 DEFAULT_KERNEL = "turbo-moe"
 # Parameters the sweep injects into every point; a spec may not set them itself.
 RESERVED_PARAMS = ("result_json", "run_name")
-_SPEC_KEYS = ("name", "description", "notebook", "kernel", "cell_timeout_s", "record", "base", "grid", "points")
+_SPEC_KEYS = ("name", "description", "notebook", "kernel", "cell_timeout_s", "record", "oom_frontier", "base", "grid",
+              "points")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SCALAR_TYPES = (str, int, float, bool, type(None))
 
@@ -71,6 +75,7 @@ class SweepSpec:
     record: bool = True
     description: str = ""
     source: Path | None = None
+    oom_frontier: str | None = None  # a numeric parameter; see the module docstring
 
     def expand(self) -> list[SweepPoint]:
         """All points: the grid's cartesian product, then the explicit points, in spec order."""
@@ -160,6 +165,9 @@ def spec_from_dict(
     record = raw.get("record", True)
     if not isinstance(record, bool):
         raise ValueError(f"{where}: field 'record' must be true or false, got {record!r}")
+    frontier = raw.get("oom_frontier")
+    if frontier is not None:
+        _check_frontier(frontier, base, grid, points, where)
     return SweepSpec(
         name=name,
         notebook=resolve_notebook(raw["notebook"], source=source, repo_root=repo_root),
@@ -171,7 +179,25 @@ def spec_from_dict(
         record=record,
         description=str(raw.get("description", "")),
         source=source,
+        oom_frontier=frontier,
     )
+
+
+def _check_frontier(frontier: Any, base: dict, grid: dict, points: list[dict], where: str) -> None:
+    """``oom_frontier`` must name a parameter that varies over numbers (the per-device batch, say)."""
+    if not isinstance(frontier, str):
+        raise ValueError(f"{where}: field 'oom_frontier' must be a parameter name, got {frontier!r}")
+    values = [grid[frontier]] if frontier in grid else []
+    values += [[v[frontier] for v in axis if isinstance(v, Mapping) and frontier in v] for axis in grid.values()]
+    values += [[p[frontier]] for p in points if frontier in p]
+    flat = [v for vs in values for v in vs]
+    if not flat:
+        raise ValueError(f"{where}: field 'oom_frontier' must name a parameter that the grid or points vary, "
+                         f"got {frontier!r}")
+    bad = [v for v in flat + ([base[frontier]] if frontier in base else [])
+           if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise ValueError(f"{where}: field 'oom_frontier': parameter {frontier!r} must take numbers, got {bad[0]!r}")
 
 
 def _check_params(params: Any, where: str) -> dict[str, Any]:

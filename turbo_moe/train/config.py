@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 from turbo_moe.model import ModelConfig, get_config
 
-_POSITIVE_INTS = ("per_device_batch", "steps", "eval_batches", "log_every", "keep_checkpoints", "expert_parallel")
-_NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "checkpoint_every", "skip_steps_for_tgs", "seed")
+_POSITIVE_INTS = ("per_device_batch", "steps", "log_every", "keep_checkpoints", "expert_parallel")
+_NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "skip_steps_for_tgs", "seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     remat_policy: str | None = None  # overrides the model's remat_policy when set
     eval_every: int = 25  # 0: only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # 0: never evaluate (throughput runs skip compiling the eval step)
     log_every: int = 1
     seed: int = 0
     data_dir: str | None = None  # None: $TURBO_MOE_DATA_DIR or ~/.cache/turbo_moe

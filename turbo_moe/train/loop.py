@@ -73,6 +73,8 @@ class _Trainer:
         self.memory_limit: tuple[int | None, str] = (None, "unknown")
         self.checkpointer = Checkpointer(tc.checkpoint_dir, tc.keep_checkpoints) if tc.checkpoint_dir else None
         self.pbar = None
+        self.phase_s: dict[str, float] = {}  # wall seconds per phase: where a run's time went
+        self._phase_start = time.perf_counter()
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
@@ -80,10 +82,10 @@ class _Trainer:
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
         program = build_program(self.model_cfg, make_optimizer(tc), mesh)
-        self.phase = "initialisation"
-        state = self._maybe_resume(program.init(jax.random.key(tc.seed)))
+        self._enter("initialisation")
+        state = self._maybe_resume(jax.block_until_ready(program.init(jax.random.key(tc.seed))))
         eval_step = program.evaluate
-        self.phase = "compilation"
+        self._enter("compilation")
         compiled = self._compile(program.train, state, mesh)
         if self.start_step >= tc.steps:
             return
@@ -92,7 +94,7 @@ class _Trainer:
         val = [device_batch(b, mesh) for b in self._local_eval_batches()]
         self.pbar = tqdm(total=tc.steps, initial=self.start_step, disable=not tc.progress,
                          desc=f"train {self.model_cfg.moe_path}", dynamic_ncols=True)
-        self.phase = "training"
+        self._enter("training")
         next_batch = device_batch(batches.batch_at(self.start_step), mesh)
         t_prev = time.perf_counter()
         for step in range(self.start_step, tc.steps):
@@ -113,19 +115,28 @@ class _Trainer:
                 return
             done = step + 1
             is_last = done == tc.steps
-            evaluate = is_last or bool(tc.eval_every and done % tc.eval_every == 0)
+            evaluate = bool(val) and (is_last or bool(tc.eval_every and done % tc.eval_every == 0))
             save = self.checkpointer is not None and (is_last or bool(
                 tc.checkpoint_every and done % tc.checkpoint_every == 0))
             if evaluate:
+                self._enter("evaluation")
                 row["eval_loss"] = self._evaluate(eval_step, state, val)
+                self._enter("training")
             if is_last or evaluate or step % tc.log_every == 0:
                 history.append(row)
             self.pbar.set_postfix(loss=f"{row['loss']:.3f}", tgs=f"{row['tgs']:.0f}")
             self.pbar.update(1)
             if save:
+                self._enter("checkpointing")
                 self.checkpointer.save(done, state, {"step": done, "history": history, "config": tc.to_dict()})
             if evaluate or save:
+                self._enter("training")
                 t_prev = time.perf_counter()  # evaluation/checkpointing are not part of step time
+
+    def _enter(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phase_s[self.phase] = self.phase_s.get(self.phase, 0.0) + now - self._phase_start
+        self.phase, self._phase_start = phase, now
 
     def _row(self, step: int, m: dict, step_time: float) -> dict[str, Any]:
         mean_ratio, worst_ratio, per_layer = M.load_imbalance(m["expert_load"])
@@ -140,6 +151,8 @@ class _Trainer:
         }
 
     def _local_eval_batches(self) -> list[dict]:
+        if self.tc.eval_batches == 0:
+            return []
         batches = eval_batches(self.dataset.val, self.global_batch, self.tc.eval_batches, seed=self.tc.seed)
         share = self.global_batch // jax.process_count()
         lo = jax.process_index() * share
@@ -152,7 +165,7 @@ class _Trainer:
     def _maybe_resume(self, state):
         if not (self.tc.resume and self.checkpointer and self.checkpointer.latest_step() is not None):
             return state
-        self.phase = "restore"
+        self._enter("restore")
         state, record = self.checkpointer.restore(state)
         self.start_step = int(record["step"])
         if int(state.step) != self.start_step:
@@ -197,6 +210,7 @@ class _Trainer:
                 f"{device}; asked for {asked_text}. {str(error)[:600]}")
 
     def close(self) -> None:
+        self._enter("done")
         if self.pbar is not None:
             self.pbar.close()
         if self.checkpointer is not None:
@@ -234,6 +248,7 @@ class _Trainer:
             "load_max_over_mean_mean": float(np.mean(ratios)) if ratios else math.nan,
             "params_total": params["total"], "params_active": params["active"],
             "steps_done": history[-1]["step"] + 1 if history else 0, "resumed_from_step": self.start_step or None,
-            "compile_time_s": self.compile_time_s, "n_devices": self.n_devices,
+            "compile_time_s": self.compile_time_s, "phase_seconds": {k: round(v, 3) for k, v in self.phase_s.items()},
+            "n_devices": self.n_devices,
             "per_device_batch": tc.per_device_batch, "seq_len": self.seq_len, "moe_path": self.model_cfg.moe_path,
         }

@@ -6,6 +6,7 @@ import datetime
 import math
 import platform
 import re
+import os
 import resource
 import socket
 import subprocess
@@ -162,6 +163,10 @@ def provenance(config: dict, model_config: dict, dataset_info: dict) -> dict[str
 
 
 def _git_info() -> dict[str, Any]:
+    """The commit of this checkout; ``$TURBO_MOE_GIT_COMMIT`` names it where the tree is a copy without
+    ``.git`` (a GPU machine that received the working tree, say)."""
+    if os.environ.get("TURBO_MOE_GIT_COMMIT"):
+        return {"git_commit": os.environ["TURBO_MOE_GIT_COMMIT"], "git_dirty": None}
     repo = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str | None:
