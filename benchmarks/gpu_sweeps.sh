@@ -4,10 +4,12 @@
 #   .whl/          papermill + ipykernel wheels for the GPU machine's Python (benchmarks/gpu_notes.md)
 #   $LIB_DIR       libturbo_moe_cpu.so + libturbo_moe_cuda.so built for sm_90a (default build/lead_lib)
 #   $DATA_DIR      a TURBO_MOE_DATA_DIR holding the Shakespeare cache (default build/data_cache)
-# Usage:  TURBO_MOE_GIT_COMMIT=<commit> benchmarks/gpu_sweeps.sh BUDGET_S SPEC.yaml [SPEC.yaml ...]
-# Each spec runs with `turbo-moe sweep --budget-s` (what is not started stays pending: run again to
-# resume). Results land in experiments/results/; with $OUT set they are also packed into
-# $OUT/results.tgz and the sweep log into $OUT/sweeps.log.
+# Usage:  TURBO_MOE_GIT_COMMIT=<commit> benchmarks/gpu_sweeps.sh BUDGET_S SPEC.yaml[:GLOB] [...]
+# Each spec runs with `turbo-moe sweep --budget-s` (no point starts after BUDGET_S; what is not started
+# stays pending: run again to resume), optionally only its points matching GLOB. At HARD_STOP_S
+# (default BUDGET_S + 120) a running point is interrupted so that the finished ones are always saved.
+# Results land in experiments/results/; with $OUT set they are packed into $OUT/results.tgz after every
+# spec, and the sweep log goes to $OUT/sweeps.log.
 set -uo pipefail
 budget=${1:?usage: gpu_sweeps.sh BUDGET_S SPEC.yaml [SPEC.yaml ...]}
 shift
@@ -30,13 +32,18 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_compilati
 $PY -m ipykernel install --user --name turbo-moe --display-name "turbo-moe" >/dev/null || exit 1
 
 log=${OUT:-/tmp}/sweeps.log
+hard_stop=${HARD_STOP_S:-$((budget + 120))}
 start=$(date +%s)
-for spec in "$@"; do
-    left=$(( budget - ($(date +%s) - start) ))
-    if [ "$left" -le 30 ]; then echo "budget spent: $spec not started" | tee -a "$log"; continue; fi
-    echo "== $spec (budget ${left}s) $(date -u +%FT%TZ)" | tee -a "$log"
-    $PY -m turbo_moe.cli sweep "$spec" --budget-s "$left" --no-progress 2>&1 | tee -a "$log"
+for arg in "$@"; do
+    spec=${arg%%:*}
+    only=(); [ "$arg" != "$spec" ] && only=(--only "${arg#*:}")
+    elapsed=$(( $(date +%s) - start ))
+    left=$(( budget - elapsed ))
+    if [ "$left" -le 30 ]; then echo "budget spent: $arg not started" | tee -a "$log"; continue; fi
+    echo "== $arg (budget ${left}s) $(date -u +%FT%TZ)" | tee -a "$log"
+    timeout -s INT -k 20 $(( hard_stop - elapsed )) \
+        $PY -m turbo_moe.cli sweep "$spec" "${only[@]}" --budget-s "$left" --no-progress 2>&1 \
+        | grep --line-buffered -v "IPKernelApp\|TqdmWarning\|autonotebook" | tee -a "$log"
+    [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" experiments/results
 done
-if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/results.tgz" experiments/results
-fi
+exit 0
