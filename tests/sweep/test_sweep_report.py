@@ -82,3 +82,18 @@ def test_minimal_table_without_provenance_still_draws(tmp_path):
     summary = report.build_report(tmp_path / "results", tmp_path / "figures")
     assert summary.entries["tgs_vs_batch"].endswith("tgs_vs_batch.png")
     assert "| mini | ragged | 4 | oom |" in (tmp_path / "figures" / "results.md").read_text()
+
+
+def test_seed_repeats_get_their_own_label_and_curve():
+    """A comparison sweep that repeats one path with another seed (to show seed-to-seed noise) keeps
+    both runs apart: labels name the seed, and the sweep still counts as a comparison sweep."""
+    import pandas as pd
+
+    from turbo_moe.experiments.figures import with_path_labels
+
+    frame = pd.DataFrame({"sweep": ["s"] * 4, "moe_path": ["turbo", "turbo", "ragged", "dense_cf"],
+                          "capacity_factor": [None, None, None, 1.0], "seed": [0, 1, 0, 0],
+                          "status": ["ok"] * 4, "record_path": ["r"] * 4})
+    labels = with_path_labels(frame)["path"].tolist()
+    assert labels == ["turbo (seed 0)", "turbo (seed 1)", "ragged", "dense_cf (cf=1)"]
+    assert report.comparison_sweeps(frame) == ["s"]

@@ -41,7 +41,7 @@ def test_spec_is_valid(spec_path):
 
 def test_cpu_default_covers_every_path():
     points = load_spec(REPO / "experiments" / "sweeps" / "cpu_default.yaml").expand()
-    assert sorted((p.params["moe_path"], p.params.get("capacity_factor")) for p in points) == [
-        ("dense_cf", 1.0), ("dense_cf", 2.0), ("ragged", None), ("turbo", None)]
+    assert sorted((p.params["moe_path"], p.params.get("capacity_factor"), p.params["seed"]) for p in points) == [
+        ("dense_cf", 1.0, 0), ("dense_cf", 2.0, 0), ("ragged", None, 0), ("turbo", None, 0), ("turbo", None, 1)]
     assert {p.params["model"] for p in points} == {"small"}
     assert {p.params["dataset"] for p in points} == {"shakespeare"}

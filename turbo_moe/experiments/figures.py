@@ -27,12 +27,18 @@ def path_label(moe_path: object, capacity_factor: object = None) -> str:
 
 
 def with_path_labels(frame: pd.DataFrame) -> pd.DataFrame:
-    """Copy of ``frame`` with a ``path`` column (rows without ``moe_path`` dropped)."""
+    """Copy of ``frame`` with a ``path`` column (rows without ``moe_path`` dropped). Where a sweep runs one
+    path with several seeds (to show seed-to-seed noise), the label names the seed: ``turbo (seed 1)``."""
     if frame.empty or "moe_path" not in frame:
         return frame.iloc[0:0].assign(path=[])
     frame = frame[frame["moe_path"].notna()].copy()
     cf = frame["capacity_factor"] if "capacity_factor" in frame else pd.Series(None, index=frame.index)
     frame["path"] = [path_label(p, c) for p, c in zip(frame["moe_path"], cf)]
+    if "seed" in frame and frame["seed"].notna().any():
+        keys = [frame[c] for c in ("sweep", "path") if c in frame]
+        several = frame.groupby(keys, dropna=False)["seed"].transform("nunique") > 1
+        frame.loc[several, "path"] = [f"{p} (seed {int(s)})" for p, s in zip(frame.loc[several, "path"],
+                                                                            frame.loc[several, "seed"])]
     return frame
 
 
@@ -118,8 +124,19 @@ def tgs_vs_batch(results: pd.DataFrame) -> plt.Figure | None:
     return add_provenance(fig, frame)
 
 
+def _memory_sweep(rows: pd.DataFrame) -> str:
+    """The sweep whose peak memory one device's panel shows: the one that varies the batch most (one
+    sweep per panel, since sweeps differ in sequence length and model overrides)."""
+    if "sweep" not in rows:
+        return ""
+    n_batches = rows.groupby("sweep")["per_device_batch"].nunique() if "per_device_batch" in rows else None
+    sizes = rows.groupby("sweep").size()
+    order = sorted(sizes.index, key=lambda s: (-(n_batches[s] if n_batches is not None else 0), -sizes[s], s))
+    return order[0]
+
+
 def peak_memory(results: pd.DataFrame) -> plt.Figure | None:
-    """Peak device memory per path (GiB), grouped by per-device batch."""
+    """Peak device memory per path (GiB), grouped by per-device batch; one sweep per device."""
     frame = with_path_labels(results)
     if frame.empty or "peak_memory_bytes" not in frame:
         return None
@@ -127,18 +144,23 @@ def peak_memory(results: pd.DataFrame) -> plt.Figure | None:
     if frame.empty:
         return None
     frame["peak_gib"] = frame["peak_memory_bytes"].astype(float) / GIB
-    hue = "per_device_batch" if "per_device_batch" in frame and frame["per_device_batch"].nunique() > 1 else None
     devices = sorted(_device(frame).unique())
-    fig, axes = _facet_axes(len(devices))
-    for ax, device in zip(axes, devices):
+    panels = []
+    for device in devices:
         rows = frame[_device(frame) == device]
+        sweep = _memory_sweep(rows)
+        panels.append((device, sweep, rows[rows["sweep"] == sweep] if sweep else rows))
+    frame = pd.concat([rows for _, _, rows in panels])
+    hue = "per_device_batch" if "per_device_batch" in frame and frame["per_device_batch"].nunique() > 1 else None
+    fig, axes = _facet_axes(len(devices))
+    for ax, (device, sweep, rows) in zip(axes, panels):
         sns.barplot(data=rows, x="path", y="peak_gib", hue=hue, errorbar=None, ax=ax,
                     palette="viridis" if hue else None)
         # Where the number comes from matters (device allocator peak vs host RSS on CPU).
         source = _unique(s.split(" (")[0] for s in rows["memory_source"].dropna()) \
             if "memory_source" in rows else "unknown"
         ax.set(xlabel="MoE path", ylabel="peak memory (GiB)")
-        ax.set_title(f"Peak memory — {device}\nsource: {source}", fontsize=10)
+        ax.set_title(f"Peak memory — {device}, {sweep}\nsource: {source}", fontsize=10)
         ax.tick_params(axis="x", rotation=20)
         if hue:
             ax.legend(title="per-device batch", fontsize=8)
