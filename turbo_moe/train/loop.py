@@ -15,13 +15,13 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from turbo_moe.data import BatchIterator, Dataset, eval_batches, load_dataset
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
 from turbo_moe.train import metrics as M
 from turbo_moe.train.checkpoint import Checkpointer
 from turbo_moe.train.config import TrainConfig
+from turbo_moe.train.progress import RunProgress, summary_line
 from turbo_moe.train.result import RunResult
 from turbo_moe.train.step import (
     abstract_batch, build_program, device_batch, learning_rate_schedule, make_mesh, make_optimizer)
@@ -36,10 +36,16 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
     training come back as `status` "oom" / "nan" / "error" with `error` explaining them."""
     tc = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
     model_cfg = tc.model_config()
-    dataset = load_dataset(tc.dataset, seq_len=tc.resolved_seq_len, vocab_size=model_cfg.vocab_size,
-                           data_dir=tc.data_dir, text_field=tc.text_field, val_fraction=tc.val_fraction)
+    # Shown from the first second: set-up, initialisation and compilation can take minutes.
+    progress = RunProgress(f"train {model_cfg.moe_path}", tc.steps, enabled=tc.progress)
+    try:
+        dataset = load_dataset(tc.dataset, seq_len=tc.resolved_seq_len, vocab_size=model_cfg.vocab_size,
+                               data_dir=tc.data_dir, text_field=tc.text_field, val_fraction=tc.val_fraction)
+    except BaseException:
+        progress.close()
+        raise
     result = RunResult(provenance=M.provenance(tc.to_dict(), model_cfg.to_dict(), dataset.info))
-    trainer = _Trainer(tc, model_cfg, dataset, result)
+    trainer = _Trainer(tc, model_cfg, dataset, result, progress)
     try:
         trainer.train()
     except Exception as error:  # noqa: BLE001 — reported in the result, never swallowed silently
@@ -51,13 +57,15 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
     finally:
         trainer.close()
     result.summary = trainer.summary()
+    progress.close(summary_line(result.status, result.error, result.summary, progress.desc))
     return result
 
 
 class _Trainer:
     """State of one run; `train()` is the loop, `summary()` the run-level figures."""
 
-    def __init__(self, tc: TrainConfig, model_cfg: ModelConfig, dataset: Dataset, result: RunResult):
+    def __init__(self, tc: TrainConfig, model_cfg: ModelConfig, dataset: Dataset, result: RunResult,
+                 progress: RunProgress | None = None):
         self.tc, self.model_cfg, self.dataset, self.result = tc, model_cfg, dataset, result
         self.seq_len = tc.resolved_seq_len
         self.n_devices = jax.device_count()
@@ -72,7 +80,7 @@ class _Trainer:
         self.compiled_mem: dict[str, int] = {}
         self.memory_limit: tuple[int | None, str] = (None, "unknown")
         self.checkpointer = Checkpointer(tc.checkpoint_dir, tc.keep_checkpoints) if tc.checkpoint_dir else None
-        self.pbar = None
+        self.progress = progress or RunProgress("train", tc.steps, enabled=False)
         self.phase_s: dict[str, float] = {}  # wall seconds per phase: where a run's time went
         self._phase_start = time.perf_counter()
 
@@ -81,7 +89,7 @@ class _Trainer:
         tc, history = self.tc, self.result.history
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
-        program = build_program(self.model_cfg, make_optimizer(tc), mesh)
+        program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp)
         self._enter("initialisation")
         state = self._maybe_resume(jax.block_until_ready(program.init(jax.random.key(tc.seed))))
         eval_step = program.evaluate
@@ -92,8 +100,7 @@ class _Trainer:
         proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
         batches = BatchIterator(self.dataset.train, self.global_batch, seed=tc.seed, **proc)
         val = [device_batch(b, mesh) for b in self._local_eval_batches()]
-        self.pbar = tqdm(total=tc.steps, initial=self.start_step, disable=not tc.progress,
-                         desc=f"train {self.model_cfg.moe_path}", dynamic_ncols=True)
+        self.progress.start_at(self.start_step)
         self._enter("training")
         next_batch = device_batch(batches.batch_at(self.start_step), mesh)
         t_prev = time.perf_counter()
@@ -124,8 +131,7 @@ class _Trainer:
                 self._enter("training")
             if is_last or evaluate or step % tc.log_every == 0:
                 history.append(row)
-            self.pbar.set_postfix(loss=f"{row['loss']:.3f}", tgs=f"{row['tgs']:.0f}")
-            self.pbar.update(1)
+            self.progress.step(done, row["loss"], row["tgs"])
             if save:
                 self._enter("checkpointing")
                 self.checkpointer.save(done, state, {"step": done, "history": history, "config": tc.to_dict()})
@@ -137,6 +143,7 @@ class _Trainer:
         now = time.perf_counter()
         self.phase_s[self.phase] = self.phase_s.get(self.phase, 0.0) + now - self._phase_start
         self.phase, self._phase_start = phase, now
+        self.progress.phase(phase)
 
     def _row(self, step: int, m: dict, step_time: float) -> dict[str, Any]:
         mean_ratio, worst_ratio, per_layer = M.load_imbalance(m["expert_load"])
@@ -211,8 +218,6 @@ class _Trainer:
 
     def close(self) -> None:
         self._enter("done")
-        if self.pbar is not None:
-            self.pbar.close()
         if self.checkpointer is not None:
             self.checkpointer.wait()
             self.checkpointer.close()
