@@ -21,6 +21,9 @@ def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--budget-s", type=float, metavar="SECONDS",
                    help="start no new point after this many seconds (the rest stay pending for the next run)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="if another sweep is writing the same results table, wait this long for it (default: "
+                        "refuse at once)")
 
 
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +38,8 @@ def _add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from turbo_moe.experiments.runner import SweepLayout, default_experiments_dir, plan_sweep, run_sweep
+    from turbo_moe.experiments.runner import (
+        SweepLayout, damaged_rows, default_experiments_dir, plan_sweep, run_sweep)
     from turbo_moe.experiments.spec import load_spec
 
     spec = load_spec(args.spec)
@@ -45,15 +49,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         planned = plan_sweep(spec, layout, force=args.force, only=args.only)
         print(f"sweep {spec.name}: notebook {spec.notebook}, kernel {args.kernel or spec.kernel}")
         print(f"table {layout.table}")
+        for row in damaged_rows(layout):
+            print(f"warning: {row}")
         print(f"base parameters: {spec.base}")
         print(f"{len(planned)} points ({sum(p.action == 'run' for p in planned)} to run):")
         for p in planned:
             print(f"  [{p.action:4s}] {p.point.name}")
         return 0
-    if args.budget_s is not None and args.budget_s <= 0:
+    if args.budget_s is not None and not args.budget_s > 0:
         raise ValueError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    if not args.wait >= 0:
+        raise ValueError(f"--wait must be a number of seconds >= 0, got {args.wait}")
     rows = run_sweep(spec, layout=layout, force=args.force, only=args.only, kernel=args.kernel,
-                     progress=not args.no_progress, budget_s=args.budget_s)
+                     progress=not args.no_progress, budget_s=args.budget_s, wait_s=args.wait)
     return 0 if all(r["status"] != "error" for r in rows) else 1
 
 
@@ -77,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_sweep_parser(sub)
     _add_report_parser(sub)
     args = parser.parse_args(argv)
+    from turbo_moe.experiments.lock import SweepBusy
+
     try:
         return {"sweep": cmd_sweep, "report": cmd_report}[args.command](args)
-    except ValueError as exc:  # bad spec/arguments: one clear line, no traceback
+    except (ValueError, SweepBusy) as exc:  # bad spec/arguments, a busy table: one clear line, no traceback
         print(f"turbo-moe {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -29,7 +29,9 @@ def test_kernel(tmp_path, monkeypatch):
 
 
 TOY_SOURCE = [
-    "x = 1\nmode = 'ok'\nresult_json = None\nrun_name = None",
+    # Every name a test spec sets must be assigned here: specs are checked against this cell.
+    "x = 1\nmode = 'ok'\ncfg = batch = steps = model = moe_path = capacity_factor = per_device_batch = None\n"
+    "dataset = model_overrides = None\nresult_json = None\nrun_name = None",
     "import json\n"
     "if mode == 'fail':\n    raise RuntimeError(f'point failed on purpose, x={x}')\n"
     "if mode == 'oom':\n    raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes')",

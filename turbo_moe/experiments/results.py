@@ -7,16 +7,29 @@ Layout (committed)::
 
 The ``record`` column holds the JSON path relative to the CSV's folder, so the tree can be moved.
 Appending rewrites the table into a temporary file and ``os.replace``-s it over the old one: a kill at any
-moment leaves either the old or the new table, never a half-written row.
+moment leaves either the old or the new table, never a half-written row. Writers in one folder take turns
+(``flock`` on the folder), and new tables get the user's umask.
+
+A table damaged by something else (a truncated copy, another tool killed mid-write) is read row by row:
+a row with the wrong number of fields, no line end, or no valid status is left out with a warning
+naming the file and line, so its point counts as not run and runs again; the next append keeps the
+damaged text in ``<table>.damaged`` rather than dropping it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import dataclasses
+import fcntl
+import io
 import json
 import math
 import os
-import tempfile
-from collections.abc import Mapping
+import secrets
+import time
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +61,55 @@ def append_row(csv_path: str | Path, row: Mapping[str, Any]) -> None:
     if row["status"] not in STATUSES:
         raise ValueError(f"append_row: status must be one of {STATUSES}, got {row['status']!r}")
     new = pd.DataFrame([{k: _cell(v) for k, v in row.items()}])
-    old = read_table(csv_path) if csv_path.exists() else None
-    table = new if old is None or old.empty else pd.concat([old, new], ignore_index=True)
-    table = table[_ordered_columns(list(table.columns))]
     csv_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=csv_path.parent, prefix=f".{csv_path.name}.", suffix=".tmp")
+    with _folder_lock(csv_path.parent):  # read-modify-write: another writer must not slip in between
+        old, damaged = scan_table(csv_path) if csv_path.exists() else (None, [])
+        if damaged:  # rewriting drops them from the table: keep their text for whoever investigates
+            with open(csv_path.with_name(csv_path.name + ".damaged"), "a") as keep:
+                keep.writelines(f"# {d}\n{d.text}{'' if d.text.endswith(chr(10)) else chr(10)}" for d in damaged)
+        table = new if old is None or old.empty else pd.concat([old, new], ignore_index=True)
+        table = table[_ordered_columns(list(table.columns))]
+        write_atomic(csv_path, lambda f: table.to_csv(f, index=False))
+
+
+def write_atomic(path: str | Path, write) -> None:
+    """``write(text_file)`` into a temporary file next to ``path``, then rename it over ``path``.
+
+    The temporary file is created with mode 0666 minus the umask, like any new file (``mkstemp``
+    would make it 0600, and the rename would carry that onto the table).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", newline="") as f:
-            table.to_csv(f, index=False)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, csv_path)
+        os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path, timeout_s: float = 120.0) -> Iterator[None]:
+    """Exclusive ``flock`` on the folder itself (no lock file to leave behind); waits up to ``timeout_s``."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been writing a results table in {folder} for "
+                                       f"over {timeout_s:.0f} s; try again") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _ordered_columns(columns: list[str]) -> list[str]:
@@ -72,13 +119,93 @@ def _ordered_columns(columns: list[str]) -> list[str]:
     return lead + middle + tail
 
 
-def read_table(csv_path: str | Path) -> pd.DataFrame:
-    """Every row of one results table, in append order (an empty frame if the file is empty)."""
+@dataclasses.dataclass(frozen=True)
+class DamagedRow:
+    """A row of a results table that cannot be trusted, where it is and why."""
+
+    path: Path
+    line: int  # 1-based line where the row starts
+    reason: str
+    point: str | None  # the point it seems to belong to, if that field survived
+    text: str  # the raw text of the row
+
+    def __str__(self) -> str:
+        who = f" (point {self.point!r} will run again)" if self.point else ""
+        return f"{self.path} line {self.line}: damaged row, {self.reason}; left out{who}"
+
+
+def scan_table(csv_path: str | Path) -> tuple[pd.DataFrame, list[DamagedRow]]:
+    """(the table's sound rows, its damaged rows). Raises ValueError naming the file if it is unreadable."""
+    csv_path = Path(csv_path)
     try:
-        # Only empty cells are missing: the status "nan" and the text "None" must survive a round trip.
-        return pd.read_csv(csv_path, keep_default_na=False, na_values=[""])
-    except pd.errors.EmptyDataError:
-        return pd.DataFrame()
+        text = csv_path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"results table {csv_path}: cannot read it ({exc})") from None
+    # Split on "\n" only (str.splitlines would also split on characters that JSON text may hold).
+    parts = text.split("\n")
+    lines = [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+    consumed: list[str] = []
+
+    def feed():
+        for line in lines:
+            consumed.append(line)
+            yield line
+
+    reader = csv.reader(feed())
+    try:
+        header = next(reader, None)
+        if header is None or not any(header):
+            return pd.DataFrame(), []
+        sound, damaged, line = ["".join(consumed)], [], len(consumed) + 1
+        consumed.clear()
+        for fields in reader:
+            raw, start = "".join(consumed), line
+            line += len(consumed)
+            consumed.clear()
+            if not raw.strip():
+                continue
+            reason = _row_problem(header, fields, raw)
+            if reason is None:
+                sound.append(raw)
+            else:
+                point = fields[header.index("point")] if "point" in header and len(fields) > header.index("point") \
+                    else None
+                damaged.append(DamagedRow(csv_path, start, reason, point or None, raw))
+        table = pd.read_csv(io.StringIO("".join(sound)), keep_default_na=False, na_values=[""])
+    except (csv.Error, pd.errors.ParserError, ValueError) as exc:
+        raise ValueError(f"results table {csv_path}: cannot parse it ({exc})") from None
+    return table, damaged
+
+
+def _row_problem(header: list[str], fields: list[str], raw: str) -> str | None:
+    if len(fields) != len(header):
+        return f"{len(fields)} fields where the header has {len(header)} (truncated or garbled)"
+    if not raw.endswith("\n"):
+        return "no line end (the file was cut inside this row)"
+    row = dict(zip(header, fields))
+    if not {"sweep", "point", "status"} <= set(row):  # not a sweep table (a kernel benchmark, say)
+        return None
+    if row["status"] not in STATUSES:
+        return f"status {row['status'][:40]!r} is not one of {STATUSES}"
+    if not row["point"]:
+        return "empty point name"
+    return None
+
+
+def read_table(csv_path: str | Path) -> pd.DataFrame:
+    """Every sound row of one results table, in append order (an empty frame if the file is empty).
+
+    Damaged rows are left out with a warning naming the file and line (see ``scan_table``).
+    """
+    # Only empty cells are missing: the status "nan" and the text "None" must survive a round trip.
+    table, damaged = scan_table(csv_path)
+    for row in damaged:
+        warnings.warn(str(row), DamagedTableWarning, stacklevel=2)
+    return table
+
+
+class DamagedTableWarning(UserWarning):
+    """A results table has rows that were left out (see ``DamagedRow``)."""
 
 
 def latest_rows(table: pd.DataFrame) -> pd.DataFrame:

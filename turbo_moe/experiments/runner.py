@@ -11,6 +11,10 @@ message says the device ran out of memory) and the sweep goes on. Points whose l
 (ok/oom/nan) with the same parameters are skipped on re-run; ``error`` points are retried. With the spec's
 ``oom_frontier`` (say ``per_device_batch``), points larger than one that ran out of memory are not run but
 recorded with status ``skipped`` and the reason (and retried on a later run, like ``error`` points).
+
+One sweep at a time writes a table (``lock.SweepLock``): a second one refuses, or waits with ``wait_s``.
+Damaged rows of the table (see ``results.scan_table``) are reported with file and line and their points
+run again.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fnmatch
+import glob
 import importlib.metadata
 import os
 import platform
 import re
 import subprocess
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +37,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from turbo_moe.experiments import results
+from turbo_moe.experiments.lock import SweepLock
 from turbo_moe.experiments.spec import SweepPoint, SweepSpec, params_key
 
 _OOM_PATTERN = re.compile(r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b", re.IGNORECASE)
+# A full disk also comes back as RESOURCE_EXHAUSTED (tensorstore, absl): that is not memory, so the
+# point must stay retryable (an `oom` is final and feeds the OOM frontier).
+_DISK_PATTERN = re.compile(r"No space left on device|ENOSPC|Disk quota exceeded|EDQUOT|File too large",
+                           re.IGNORECASE)
 # RunResult.summary keys copied into each row (any other summary keys are copied too, after these).
 SUMMARY_FIELDS = (
     "tgs", "mfu", "peak_memory_bytes", "memory_source", "compiled_temp_bytes", "final_loss",
@@ -79,7 +90,9 @@ def plan_sweep(
     spec: SweepSpec, layout: SweepLayout, *, force: bool = False, only: str | None = None
 ) -> list[PlannedPoint]:
     """Decide for every point whether it runs or is skipped (already finished with these parameters)."""
-    done = {} if force else results.finished_points(layout.table)
+    with warnings.catch_warnings():  # damaged rows are reported by damaged_rows(), once
+        warnings.simplefilter("ignore", results.DamagedTableWarning)
+        done = {} if force else results.finished_points(layout.table)
     planned = []
     for point in spec.expand():
         if only is not None and not fnmatch.fnmatch(point.name, only):
@@ -89,6 +102,11 @@ def plan_sweep(
         else:
             planned.append(PlannedPoint(point, "run", "new" if point.name not in done else "params changed"))
     return planned
+
+
+def damaged_rows(layout: SweepLayout) -> list[results.DamagedRow]:
+    """Rows of the sweep's table that were left out as damaged (their points run again)."""
+    return results.scan_table(layout.table)[1] if layout.table.exists() else []
 
 
 def run_sweep(
@@ -101,20 +119,31 @@ def run_sweep(
     progress: bool = True,
     log: Callable[[str], None] = print,
     budget_s: float | None = None,
+    wait_s: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Run every pending point of ``spec``; returns the rows appended (one per point run).
 
     ``budget_s``: start no new point once this many seconds have passed; the points not started stay
-    pending (no row), so the next run picks them up.
+    pending (no row), so the next run picks them up. ``wait_s``: how long to wait for another sweep of
+    the same table to finish before refusing (``lock.SweepBusy``).
     """
     start = time.monotonic()
-    planned = plan_sweep(spec, layout, force=force, only=only)
     check_kernel(kernel or spec.kernel)
+    with SweepLock(layout.table, wait_s=wait_s):  # plan only once we own the table: the other may have finished points
+        for row in damaged_rows(layout):
+            log(f"warning: {row}")
+        return _run_locked(spec, layout, force, only, kernel, progress, log, budget_s, start)
+
+
+def _run_locked(spec, layout, force, only, kernel, progress, log, budget_s, start) -> list[dict[str, Any]]:
+    planned = plan_sweep(spec, layout, force=force, only=only)
     pending = [p.point for p in planned if p.action == "run"]
     skipped = len(planned) - len(pending)
     log(f"sweep {spec.name}: {len(planned)} points, {skipped} already finished, {len(pending)} to run")
     rows = []
-    frontier = OomFrontier(spec, {} if force else results.latest_status(layout.table))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", results.DamagedTableWarning)
+        frontier = OomFrontier(spec, {} if force else results.latest_status(layout.table))
     bar = tqdm(pending, desc=spec.name, unit="point", disable=not progress)
     for i, point in enumerate(bar):
         if budget_s is not None and time.monotonic() - start > budget_s:
@@ -183,14 +212,20 @@ def run_point(spec: SweepSpec, point: SweepPoint, *, layout: SweepLayout, kernel
     """Execute one point's notebook and turn the outcome into a results row. Never raises on failure."""
     record_path, notebook_out = layout.record(point), layout.notebook_out(point)
     # The notebook writes next to the final record; it replaces the old one only once the point is
-    # done, so a kill mid-point never leaves an earlier row pointing at a missing record.
-    partial = record_path.with_name(record_path.name + ".partial")
-    for stale in (partial, notebook_out):
-        stale.unlink(missing_ok=True)  # a stale record must never pass for this run's result
-    record_path.parent.mkdir(parents=True, exist_ok=True)
-    notebook_out.parent.mkdir(parents=True, exist_ok=True)
-    params = {**point.params, "result_json": str(partial.resolve()), "run_name": f"{spec.name}/{point.name}"}
+    # done, so a kill mid-point never leaves an earlier row pointing at a missing record. The name is
+    # this process's own, so no other process can take it.
+    partial = record_path.with_name(f"{record_path.name}.{os.getpid()}.partial")
     start = time.perf_counter()
+    try:
+        # Under the sweep lock, any partial record of this point is a dead sweep's leftover.
+        for stale in (*record_path.parent.glob(f"{glob.escape(record_path.name)}*.partial"), notebook_out):
+            stale.unlink(missing_ok=True)  # a stale record must never pass for this run's result
+        record_path.parent.mkdir(parents=True, exist_ok=True)
+        notebook_out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # this point's files cannot be made: its row says why, the sweep goes on
+        return build_row(spec.name, point, "error", f"cannot prepare the point's files: {exc}", 0.0, None,
+                         layout, record_path, None)
+    params = {**point.params, "result_json": str(partial.resolve()), "run_name": f"{spec.name}/{point.name}"}
     status, error = execute_notebook(spec, params, notebook_out, kernel)
     elapsed = time.perf_counter() - start
     record = results.load_record(partial) if partial.exists() else None
@@ -249,7 +284,7 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
     message = f"{ename}: {evalue}".strip()
     if type(exc).__name__ == "DeadKernelError":
         message += " (the kernel died; a host out-of-memory kill is a common cause)"
-    status = "oom" if _OOM_PATTERN.search(message) else "error"
+    status = "oom" if _OOM_PATTERN.search(message) and not _DISK_PATTERN.search(message) else "error"
     return status, message[:2000]
 
 

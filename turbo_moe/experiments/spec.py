@@ -22,15 +22,20 @@ A spec names one notebook and the parameter points to run it with::
 
 Every point is ``base`` updated with its grid values and/or explicit entries. Its name is built from the
 parameters that vary (``moe_path-ragged__per_device_batch-4``), so names stay stable when points are
-added, which is what resume relies on.
+added, which is what resume relies on; a name longer than ``MAX_NAME_CHARS`` is cut and ends in a hash
+of the full name (still stable, still unique). Every parameter name must be one the notebook's
+``parameters`` cell assigns (papermill would only warn, and the point would run with the default).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
 import hashlib
 import itertools
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,6 +50,12 @@ _SPEC_KEYS = ("name", "description", "notebook", "kernel", "cell_timeout_s", "re
               "points")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SCALAR_TYPES = (str, int, float, bool, type(None))
+# File names are <name>.json.<pid>.partial and <name>.ipynb: 200 leaves room under the usual 255 bytes.
+MAX_NAME_CHARS = 200
+# Bounds that keep a hostile or mistaken spec (a YAML alias bomb, a huge grid) from eating the machine.
+MAX_SPEC_BYTES = 1 << 20
+MAX_SPEC_NODES = 100_000
+MAX_POINTS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +113,18 @@ def params_key(params: Mapping[str, Any]) -> str:
 
 
 def point_name(varying: Mapping[str, Any]) -> str:
-    """File-safe name from the varying parameters, e.g. ``moe_path-ragged__per_device_batch-4``."""
+    """File-safe name from the varying parameters, e.g. ``moe_path-ragged__per_device_batch-4``.
+
+    Names over ``MAX_NAME_CHARS`` keep their start and end in ``__h-<hash of the full name>``.
+    """
     if not varying:
         return "default"
     parts = [f"{k}-{_format_value(v)}" for k, v in varying.items()]
-    return re.sub(r"[^A-Za-z0-9._=-]+", "_", "__".join(parts))
+    name = re.sub(r"[^A-Za-z0-9._=-]+", "_", "__".join(parts))
+    if len(name) > MAX_NAME_CHARS:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        name = f"{name[:MAX_NAME_CHARS - 14]}__h-{digest}"
+    return name
 
 
 def _format_value(value: Any) -> str:
@@ -131,8 +149,40 @@ def load_spec(path: str | Path, *, repo_root: str | Path | None = None) -> Sweep
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sweep spec {str(path)!r} does not exist")
-    raw = yaml.safe_load(path.read_text())
+    if path.stat().st_size > MAX_SPEC_BYTES:
+        raise ValueError(f"sweep spec {str(path)!r} is {path.stat().st_size} bytes; specs are limited to "
+                         f"{MAX_SPEC_BYTES} bytes")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"sweep spec {str(path)!r} is not valid YAML: {_yaml_problem(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"sweep spec {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return spec_from_dict(raw, source=path, repo_root=repo_root)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what the YAML parser objected to, and where (a ``!!python/...`` tag is refused here)."""
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or str(exc)
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
+def _check_size(raw: Any, where: str) -> None:
+    """Refuse specs whose parsed tree is huge: YAML aliases can make 10 lines expand to billions of nodes."""
+    count, stack = 0, [raw]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_SPEC_NODES:
+            raise ValueError(f"{where}: the spec expands to more than {MAX_SPEC_NODES} values (YAML aliases "
+                             "repeating each other?); write the parameters out or split the sweep")
+        if isinstance(node, Mapping):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def spec_from_dict(
@@ -142,6 +192,7 @@ def spec_from_dict(
     where = f"sweep spec {str(source)!r}" if source else "sweep spec"
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: expected a YAML mapping at the top level, got {type(raw).__name__}")
+    _check_size(raw, where)
     unknown = sorted(set(raw) - set(_SPEC_KEYS))
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}; allowed fields are {list(_SPEC_KEYS)}")
@@ -168,9 +219,14 @@ def spec_from_dict(
     frontier = raw.get("oom_frontier")
     if frontier is not None:
         _check_frontier(frontier, base, grid, points, where)
+    n_points = math.prod(len(v) for v in grid.values()) if grid else 0
+    if n_points + len(points) > MAX_POINTS:
+        raise ValueError(f"{where}: {n_points + len(points)} points; a spec may have at most {MAX_POINTS}")
+    notebook = resolve_notebook(raw["notebook"], source=source, repo_root=repo_root)
+    check_notebook_parameters(notebook, base, grid, points, record=record, where=where)
     return SweepSpec(
         name=name,
-        notebook=resolve_notebook(raw["notebook"], source=source, repo_root=repo_root),
+        notebook=notebook,
         base=base,
         grid=grid,
         points=points,
@@ -181,6 +237,70 @@ def spec_from_dict(
         source=source,
         oom_frontier=frontier,
     )
+
+
+def notebook_parameters(notebook: Path) -> list[str] | None:
+    """Names the notebook's cell tagged ``parameters`` assigns, in order (None: it has no such cell)."""
+    try:
+        cells = json.loads(Path(notebook).read_text()).get("cells", [])
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"sweep spec field 'notebook': cannot read {str(notebook)!r} as a notebook ({exc})") from None
+    for cell in cells:
+        if "parameters" not in (cell.get("metadata", {}).get("tags") or []):
+            continue
+        source = cell.get("source", "")
+        source = "".join(source) if isinstance(source, list) else source
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as exc:
+            raise ValueError(f"the parameters cell of {str(notebook)!r} is not plain Python ({exc.msg}, line "
+                             f"{exc.lineno}); the spec's parameter names cannot be checked against it") from None
+        names: list[str] = []
+        for stmt in tree.body:
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] \
+                if isinstance(stmt, ast.AnnAssign) else []
+            for target in targets:
+                for node in ast.walk(target):
+                    if isinstance(node, ast.Name) and node.id not in names:
+                        names.append(node.id)
+        return names
+    return None
+
+
+def check_notebook_parameters(
+    notebook: Path, base: dict, grid: dict, points: list[dict], *, record: bool = True, where: str = "sweep spec"
+) -> None:
+    """Every parameter the spec sets must be one the notebook's parameters cell assigns.
+
+    papermill only warns about unknown names, so a typo (``stpes: 3``) would run with the default.
+    """
+    used: dict[str, str] = {}  # name -> where it is first set
+    for key in base:
+        used.setdefault(key, "base")
+    for axis, values in grid.items():
+        for i, value in enumerate(values):
+            for key in (value if isinstance(value, Mapping) else {axis: value}):
+                used.setdefault(key, f"grid axis {axis!r}" + (f" value [{i}]" if isinstance(value, Mapping) else ""))
+    for i, point in enumerate(points):
+        for key in point:
+            used.setdefault(key, f"points[{i}]")
+    known = notebook_parameters(notebook)
+    if known is None:
+        if used or record:
+            raise ValueError(f"{where}: notebook {str(notebook)!r} has no cell tagged 'parameters', so papermill "
+                             "cannot set " + (f"{sorted(used)}" if used else "result_json (record: true)"))
+        return
+    unknown = [key for key in used if key not in known]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=1)
+            hints.append(f"{key!r} (in {used[key]}" + (f"; did you mean {close[0]!r}?)" if close else ")"))
+        raise ValueError(f"{where}: unknown parameter(s) {', '.join(hints)}: the parameters cell of "
+                         f"{Path(notebook).name} sets {known}")
+    if record and "result_json" not in known:
+        raise ValueError(f"{where}: record is true but notebook {Path(notebook).name} has no parameter "
+                         "'result_json' to write its record to; add it to its parameters cell or set record: false")
 
 
 def _check_frontier(frontier: Any, base: dict, grid: dict, points: list[dict], where: str) -> None:
