@@ -3,16 +3,52 @@
 The state is saved as a flat {name: array} dict keyed by each leaf's pytree path, so a checkpoint
 does not depend on how nnx/optax lay out their containers, and restore checks every leaf's name and
 shape against a freshly initialised state of the same config.
+
+Failures are ``CheckpointError``s naming the directory and the reason (a full disk, a file where the
+folder should be); ``finish()`` waits and always closes the manager (its threads are not daemons: a
+skipped ``close()`` hangs the process at exit). ``restore()`` of the latest step falls back to the newest
+step that restores, moving a damaged one aside as ``<step>.damaged-<n>``.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+
+log = logging.getLogger(__name__)
+# TrainConfig fields that must match for a resumed run to continue the same run: any other value would
+# silently change the trajectory (steps, eval/checkpoint cadence, progress may change).
+RESUME_FIELDS = ("model", "model_overrides", "dataset", "text_field", "val_fraction", "per_device_batch",
+                 "expert_parallel", "seq_len", "learning_rate", "warmup_steps", "lr_schedule_steps",
+                 "min_lr_ratio", "weight_decay", "adam_b1", "adam_b2", "grad_clip", "remat_policy", "seed")
+
+
+class CheckpointError(RuntimeError):
+    """Saving or restoring a checkpoint failed (the message names the directory and the reason).
+
+    Never an out-of-memory condition: a full disk reads RESOURCE_EXHAUSTED in tensorstore's words.
+    """
+
+
+def _reason(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:1500]
+
+
+def check_resume_config(saved: dict | None, current: dict) -> None:
+    """Raise ValueError naming every field in which the checkpoint's run differs from this one."""
+    if not saved:
+        return
+    diffs = [f"{k}={saved.get(k)!r} in the checkpoint, {current.get(k)!r} now" for k in RESUME_FIELDS
+             if k in saved and k in current and saved.get(k) != current.get(k)]
+    if diffs:
+        raise ValueError("cannot resume: the checkpoint was written by a different run (" + "; ".join(diffs)
+                         + "); use another checkpoint_dir or set resume=False")
 
 
 def _leaf_names(tree) -> list[str]:
@@ -51,23 +87,80 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(self, step: int, state, record: dict) -> None:
-        """Asynchronous save; `wait()` (or the next save) makes it durable."""
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(flatten_state(state)), record=ocp.args.JsonSave(record)))
+        """Asynchronous save; `wait()` (or the next save) makes it durable. Raises CheckpointError."""
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(flatten_state(state)), record=ocp.args.JsonSave(record)))
+        except Exception as exc:  # includes the error of the previous (asynchronous) save
+            raise CheckpointError(f"checkpoint save of step {step} in {self.directory} failed: {_reason(exc)}") from exc
 
-    def restore(self, like, step: int | None = None) -> tuple[Any, dict]:
-        """(state with `like`'s structure and shardings, record) at `step` (default: latest)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+    def restore(self, like, step: int | None = None, *, config: dict | None = None) -> tuple[Any, dict]:
+        """(state with `like`'s structure and shardings, record) at `step`.
+
+        `step=None`: the latest step that restores; damaged newer steps are moved aside with a warning.
+        `config` (``TrainConfig.to_dict()``) is compared with the checkpoint's (``check_resume_config``).
+        """
+        steps = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
             raise FileNotFoundError(f"no checkpoint found in {self.directory}")
+        failures = []
+        for candidate in steps:
+            try:
+                state, record = self._restore_step(like, candidate)
+            except Exception as exc:  # a damaged step: try the one before
+                failures.append(f"step {candidate}: {_reason(exc)}")
+                continue
+            if config is not None:
+                check_resume_config(record.get("config"), config)
+            if failures:
+                self._set_aside(steps[:steps.index(candidate)], failures)
+            return state, record
+        raise CheckpointError(f"no checkpoint in {self.directory} could be restored: " + " | ".join(failures))
+
+    def _restore_step(self, like, step: int) -> tuple[Any, dict]:
         target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                   for name, x in flatten_state(like).items()}
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()))
-        return unflatten_state(restored["state"], like), restored["record"]
+        record = restored["record"]
+        if not isinstance(record, dict) or record.get("step") != step:
+            raise ValueError(f"its record names step {record.get('step') if isinstance(record, dict) else record!r}")
+        return unflatten_state(restored["state"], like), record
+
+    def _set_aside(self, damaged: list[int], failures: list[str]) -> None:
+        """Rename damaged steps so that later saves at those steps do not collide with them."""
+        for step in damaged:
+            src = self.directory / str(step)
+            n = 0
+            while (dst := self.directory / f"{step}.damaged-{n}").exists():
+                n += 1
+            try:
+                src.rename(dst)
+            except OSError as exc:
+                log.warning("could not move the damaged checkpoint %s aside: %s", src, exc)
+        self._manager.reload()
+        log.warning("checkpoint(s) %s in %s could not be restored and were moved aside (%s); resumed from "
+                    "an earlier step", damaged, self.directory, " | ".join(failures))
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Block until pending saves are durable. Raises CheckpointError."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint save in {self.directory} failed: {_reason(exc)}") from exc
 
     def close(self) -> None:
-        self._manager.close()
+        """Wait, then always release the manager's threads; raises the wait's CheckpointError afterwards."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def finish(self) -> str | None:
+        """`close()` that never raises an Exception: the error message, or None when all saves landed."""
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 — the caller turns it into the run's status
+            return str(exc) if isinstance(exc, CheckpointError) else \
+                f"checkpoint close in {self.directory} failed: {_reason(exc)}"
+        return None

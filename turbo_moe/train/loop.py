@@ -219,8 +219,11 @@ class _Trainer:
     def close(self) -> None:
         self._enter("done")
         if self.checkpointer is not None:
-            self.checkpointer.wait()
-            self.checkpointer.close()
+            # Waits for the last save and always closes (orbax's threads would hang the exit); a failed
+            # save is the run's status, never an exception out of run().
+            error = self.checkpointer.finish()
+            if error is not None and self.result.status == "ok":
+                self.result.status, self.result.error = "error", error
 
     # ------------------------------------------------------------------ run-level figures
     def summary(self) -> dict[str, Any]:

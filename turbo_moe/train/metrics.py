@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import math
 import platform
 import re
@@ -136,7 +137,25 @@ _UNIT = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2*
          "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 
 
+# A full disk reaches us as RESOURCE_EXHAUSTED too (tensorstore/absl status codes): that is storage, not
+# memory, and must not become `oom` (final in a sweep, and it feeds the OOM frontier).
+_STORAGE_MARKERS = ("no space left on device", "disk quota exceeded", "file too large",
+                    "os_error_code='28'", "os_error_code='122'", "os_error_code='27'")
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def is_oom(error: BaseException) -> bool:
+    """Device or host memory ran out (an allocator error, MemoryError); never a full disk or a checkpoint failure."""
+    chain, seen = [], set()
+    node: BaseException | None = error
+    while node is not None and id(node) not in seen:  # the error and what caused it
+        seen.add(id(node))
+        chain.append(node)
+        node = node.__cause__ or node.__context__
+    for e in chain:
+        if (isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS) or type(e).__name__ == "CheckpointError" \
+                or any(m in str(e).lower() for m in _STORAGE_MARKERS):
+            return False
     return isinstance(error, MemoryError) or any(m in str(error).lower() for m in _OOM_MARKERS)
 
 
