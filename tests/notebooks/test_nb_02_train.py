@@ -22,6 +22,11 @@ def test_tiny_run_writes_record_and_passes_nbval(tmp_path, kernel):
     assert {len(layer) for layer in result["expert_load"]} == {8}  # (L_moe, E), tiny has 8 experts
     text = executed.read_text()
     assert "image/png" in text and "dense_cf" in text
+    # What survives in the saved notebook: the final status (a display, not a widget) and the summary line.
+    assert "application/vnd.jupyter.widget-view+json" not in text
+    assert "train dense_cf: finished 3/3 steps" in text and "compiling the train step" in text
+    assert "train dense_cf: ok | 3 steps in" in text and "peak memory" in text
+    assert "TGS (tokens/device/s)" in text and "1433915392" not in text
     checked = nbval(executed)  # re-runs the notebook; the parameter/description cell must match
     assert checked.returncode == 0, checked.stdout[-3000:]
 

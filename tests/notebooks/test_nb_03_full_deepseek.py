@@ -24,6 +24,8 @@ def test_accounting_and_slice_run(tmp_path, kernel):
     assert record["provenance"]["model_config"]["d_model"] == 64
     text = executed.read_text()
     assert "671.03" in text  # total (main) parameters, billions, of the exact config
+    assert "what the exact widths need" in text and "slice with your model_overrides" in text
+    assert "error None" not in text and "not comparable" in text
 
 
 def test_bad_path_stops_in_first_cells(tmp_path, kernel):

@@ -51,4 +51,5 @@ def test_plots_and_record(tmp_path):
     assert path.parent == tmp_path and path.name.startswith("ragged_")
     assert nb.save_record(result, tmp_path / "x.json", tmp_path, tc) == tmp_path / "x.json"
     assert nb.plot_run(RunResult(status="oom", error="too big")) is None
-    assert nb.summary_table(result).loc["tgs", "value"] == "100"
+    table = nb.summary_table(result)
+    assert table.loc["TGS (tokens/device/s)", "value"] == "100" and list(table.index[:2]) == ["status", "steps"]

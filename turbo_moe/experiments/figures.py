@@ -110,6 +110,7 @@ def tgs_vs_batch(results: pd.DataFrame) -> plt.Figure | None:
         ok = rows[rows["status"] == "ok"]
         if not ok.empty:
             sns.lineplot(data=ok, x="per_device_batch", y="tgs", hue="path", marker="o", errorbar=None, ax=ax)
+        _mark_not_run(ax, rows)
         oom = rows[rows["status"] == "oom"]
         for i, (_, row) in enumerate(oom.iterrows()):
             # Red x on the batch axis; the path is written above it (several paths may OOM at one batch).
@@ -122,6 +123,22 @@ def tgs_vs_batch(results: pd.DataFrame) -> plt.Figure | None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
     return add_provenance(fig, frame)
+
+
+def _mark_not_run(ax: plt.Axes, rows: pd.DataFrame) -> None:
+    """Grey open circles on the batch axis where a path has no result at a batch its sweep ran for other
+    paths (not run: device time, a skipped point past the OOM frontier, or an error)."""
+    first = True
+    for sweep, sweep_rows in rows.groupby("sweep"):
+        batches = set(sweep_rows["per_device_batch"])
+        for path, path_rows in sweep_rows.groupby("path"):
+            done = set(path_rows.loc[path_rows["status"].isin(["ok", "oom"]), "per_device_batch"])
+            for batch in sorted(batches - done):
+                ax.scatter(batch, 0.02, marker="o", facecolors="none", edgecolors="0.4", s=60, zorder=5,
+                           transform=ax.get_xaxis_transform(), label="not run" if first else None)
+                ax.annotate(f"{path}: not run", (batch, 0.05), xycoords=ax.get_xaxis_transform(), rotation=90,
+                            fontsize=6, color="0.35", ha="center", va="bottom")
+                first = False
 
 
 def _memory_sweep(rows: pd.DataFrame) -> str:
@@ -172,22 +189,39 @@ def loss_curves(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figure | 
     if histories.empty or "loss" not in histories:
         return None
     sweeps = sorted(histories["sweep"].unique())
-    fig, grid = plt.subplots(len(sweeps), 2, figsize=(12, 4 * len(sweeps)), squeeze=False)
+    fig, grid = plt.subplots(len(sweeps), 2, figsize=(10, 3.6 * len(sweeps)), squeeze=False)
     for (ax_train, ax_eval), sweep in zip(grid, sweeps):
         rows = histories[histories["sweep"] == sweep]
         # Cross-entropy, comparable with the eval loss (the total loss adds MTP and balance terms).
         y = "ce_loss" if "ce_loss" in rows and rows["ce_loss"].notna().any() else "loss"
-        sns.lineplot(data=rows, x="step", y=y, hue="label", ax=ax_train, errorbar=None, linewidth=1)
+        _smoothed_lines(ax_train, rows, y)
         ax_train.set(xlabel="step", ylabel=f"train {'cross-entropy' if y == 'ce_loss' else 'loss'} (nats / token)",
                      title=f"Train loss — {sweep}")
         evals = rows[rows["eval_loss"].notna()] if "eval_loss" in rows else rows.iloc[0:0]
         if not evals.empty:
             sns.lineplot(data=evals, x="step", y="eval_loss", hue="label", marker="o", ax=ax_eval, errorbar=None)
         ax_eval.set(xlabel="step", ylabel="eval cross-entropy (nats / token)", title=f"Eval loss — {sweep}")
-        for ax in (ax_train, ax_eval):
-            if ax.get_legend() is not None:
-                ax.legend(fontsize=8)
+        if ax_eval.get_legend() is not None:
+            ax_eval.legend(fontsize=8)
     return add_provenance(fig, results[results["sweep"].isin(sweeps)])
+
+
+def smooth(values: pd.Series, window: int | None = None) -> pd.Series:
+    """Centred rolling mean (window ~ 1/15 of the run, at least 1): the trend of a noisy curve."""
+    window = window or max(1, len(values) // 15)
+    return values.rolling(window, center=True, min_periods=1).mean()
+
+
+def _smoothed_lines(ax: plt.Axes, rows: pd.DataFrame, y: str) -> None:
+    """One colour per label: the raw curve faint, its rolling mean solid (noisy curves hide each other)."""
+    colours = sns.color_palette(n_colors=max(rows["label"].nunique(), 1))
+    for colour, (label, run) in zip(colours, rows.groupby("label", sort=True)):
+        run = run.sort_values("step")
+        ax.plot(run["step"], run[y], color=colour, alpha=0.25, linewidth=0.8)
+        ax.plot(run["step"], smooth(run[y].reset_index(drop=True)).to_numpy(), color=colour, linewidth=1.6,
+                label=label)
+    if len(rows):
+        ax.legend(fontsize=8, title="rolling mean (raw faint)", title_fontsize=8)
 
 
 def dropped_fraction(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figure | None:
@@ -200,26 +234,43 @@ def dropped_fraction(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figu
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = rows.assign(run=rows["sweep"] + ": " + rows["label"])
     sns.lineplot(data=rows, x="step", y="dropped_fraction", hue="run", ax=ax, errorbar=None, linewidth=1)
-    ax.set(xlabel="step", ylabel="dropped token copies (fraction of T·k)", title="Dropped tokens, dense_cf")
+    ax.set(xlabel="step", ylabel="dropped token copies (fraction of T·k)",
+           title="Dropped tokens, dense_cf (ragged and turbo are dropless: none)")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     return add_provenance(fig, results[results["point"].isin(rows["point"])])
 
 
 def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame) -> plt.Figure | None:
-    """Final expert load (layer × expert) per run, as a multiple of the mean load (1 = balanced)."""
+    """Final expert load (layer x expert) per run, as a multiple of the layer's mean load (1 = balanced).
+
+    One row per run (legible at a notebook's width); a logarithmic colour scale centred on 1, so that 2x
+    and 0.5x are equally strong and a modest imbalance is not washed out by one hot expert.
+    """
+    from matplotlib.colors import LogNorm
+
     if not loads:
         return None
     relative = {}
     for label, load in loads.items():
         load = np.asarray(load, dtype=float)  # (L_moe, E)
         relative[label] = load / np.maximum(load.mean(axis=1, keepdims=True), 1e-12)
-    vmax = max(2.0, max(float(r.max()) for r in relative.values()))  # one colour scale for all panels
-    fig, axes = _facet_axes(len(loads), width=5.0, height=3.5)
-    for ax, (label, rel) in zip(axes, relative.items()):
-        sns.heatmap(rel, ax=ax, cmap="vlag", center=1.0, vmin=0, vmax=vmax,
-                    cbar_kws={"label": "load / mean load"})
-        ax.set(xlabel="expert", ylabel="MoE layer", title=label)
+    spread = np.concatenate([np.maximum(r, 1e-6).ravel() for r in relative.values()])
+    ratio = np.maximum(spread, 1 / spread)
+    vmax = float(np.clip(np.percentile(ratio, 99), 2.0, 16.0))  # one scale for all panels
+    n_layers = max(r.shape[0] for r in relative.values())
+    fig, axes = plt.subplots(len(relative), 1, figsize=(9, 0.9 + 0.28 * n_layers * len(relative) + 0.6 * len(relative)),
+                             squeeze=False)
+    ticks = [t for t in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8, 16) if 1 / vmax <= t <= vmax]
+    for ax, (label, rel) in zip(axes[:, 0], relative.items()):
+        shown = np.clip(rel, 1 / vmax, vmax)  # idle experts (0) show as the lowest colour
+        sns.heatmap(shown, ax=ax, cmap="RdBu_r", norm=LogNorm(1 / vmax, vmax),
+                    cbar_kws={"label": "load / mean (log)", "ticks": ticks, "format": "%g"},
+                    xticklabels=max(1, rel.shape[1] // 16), yticklabels=True)
+        idle = int((rel == 0).sum())
+        ax.set(xlabel="expert", ylabel="MoE layer",
+               title=f"{label}: max/mean {rel.max(axis=1).mean():.2f}" + (f", {idle} idle experts" if idle else ""))
+        ax.tick_params(axis="both", labelsize=7)
     return add_provenance(fig, results)
 
 
@@ -227,45 +278,56 @@ CEILING_IMPLS = ("dense", "dense_cublas")  # one dense (M, K) x (K, N) GEMM with
 GEMM_OPS = ("fwd", "dgrad", "wgrad")
 
 
-def kernel_tflops(kernels: pd.DataFrame) -> plt.Figure | None:
-    """Grouped-GEMM TFLOP/s per shape and implementation (one panel per routing x op); black bars mark
-    the dense-GEMM ceiling of the same FLOPs. Rows of ``benchmarks/grouped_gemm.py`` tables."""
+def _kernel_rows(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Timed grouped-GEMM rows (fwd/dgrad/wgrad, status ok) with op and routing columns."""
     if kernels.empty or not {"shape", "impl", "tflops"} <= set(kernels.columns):
-        return None
+        return kernels.iloc[0:0]
     rows = kernels.copy()
     rows["op"] = rows["op"] if "op" in rows else "fwd"
     rows["routing"] = rows["routing"].astype(str) if "routing" in rows else "-"
     if "status" in rows:
         rows = rows[rows["status"].astype(str) == "ok"]
     rows = rows[rows["op"].isin(GEMM_OPS) & pd.to_numeric(rows["tflops"], errors="coerce").notna()]
-    rows["tflops"] = rows["tflops"].astype(float)
+    return rows.assign(tflops=rows["tflops"].astype(float))
+
+
+def kernel_routings(kernels: pd.DataFrame) -> list[str]:
+    """Routings with grouped (non-ceiling) rows, the report's comparisons first (balanced, skewed); the
+    others (one_group, half_empty) stay in the table only."""
+    rows = _kernel_rows(kernels)
+    found = sorted(set(rows.loc[~rows["impl"].isin(CEILING_IMPLS), "routing"]))
+    return [r for r in ("balanced", "skewed") if r in found] or found
+
+
+def kernel_tflops(kernels: pd.DataFrame, routing: str | None = None) -> plt.Figure | None:
+    """Grouped-GEMM TFLOP/s per shape and implementation for one routing (default: the first of
+    ``kernel_routings``), one row per op (fwd, dgrad, wgrad) so that it stays legible at a notebook's
+    width; black bars mark the dense-GEMM ceiling of the same FLOPs. Rows of ``benchmarks/grouped_gemm.py``."""
+    rows = _kernel_rows(kernels)
+    routings = kernel_routings(kernels)
+    if rows.empty or not routings:
+        return None
+    routing = routing or routings[0]
     ceiling = rows[rows["impl"].isin(CEILING_IMPLS)].groupby(["shape", "op"])["tflops"].max()
     grouped = rows[~rows["impl"].isin(CEILING_IMPLS)]
-    if grouped.empty:
-        return None
-    routings = sorted(grouped["routing"].unique())
-    # The comparisons the report is about; other routings (one_group, half_empty) stay in the table.
-    routings = [r for r in ("balanced", "skewed") if r in routings] or routings
     ops = [o for o in GEMM_OPS if o in set(grouped["op"])]
     impls = sorted(grouped["impl"].unique(), key=lambda i: (i != "turbo", i))  # same colours in every panel
     shapes = list(dict.fromkeys(grouped["shape"]))
-    width = max(6.0, 0.9 * len(shapes))
-    fig, axes = plt.subplots(len(routings), len(ops), figsize=(width * len(ops), 4.2 * len(routings)),
-                             squeeze=False)
-    for r, routing in enumerate(routings):
-        for c, op in enumerate(ops):
-            ax, panel = axes[r][c], grouped[(grouped["routing"] == routing) & (grouped["op"] == op)]
-            if not panel.empty:
-                sns.barplot(data=panel, x="shape", y="tflops", hue="impl", order=shapes, hue_order=impls,
-                            errorbar=None, ax=ax)
-            for i, shape in enumerate(shapes):
-                if (shape, op) in ceiling:
-                    ax.hlines(ceiling[(shape, op)], i - 0.45, i + 0.45, color="black", linewidth=2,
-                              label="dense GEMM ceiling" if i == 0 else None)
-            ax.set(xlabel="shape", ylabel="TFLOP/s", title=f"Grouped GEMM {op}, {routing} routing")
-            ax.set_ylim(0, 1.35 * float(rows["tflops"].max()))  # headroom for the legend
-            ax.tick_params(axis="x", rotation=30, labelsize=7)
-            ax.legend(fontsize=7, ncol=len(impls) + 1, loc="upper center")
+    fig, axes = plt.subplots(len(ops), 1, figsize=(9.5, 3.3 * len(ops)), squeeze=False, sharex=True)
+    for ax, op in zip(axes[:, 0], ops):
+        panel = grouped[(grouped["routing"] == routing) & (grouped["op"] == op)]
+        if not panel.empty:
+            sns.barplot(data=panel, x="shape", y="tflops", hue="impl", order=shapes, hue_order=impls,
+                        errorbar=None, ax=ax)
+        for i, shape in enumerate(shapes):
+            if (shape, op) in ceiling:
+                ax.hlines(ceiling[(shape, op)], i - 0.45, i + 0.45, color="black", linewidth=2,
+                          label="dense GEMM ceiling" if i == 0 else None)
+        ax.set(xlabel="", ylabel="TFLOP/s", title=f"Grouped GEMM {op}, {routing} routing")
+        ax.set_ylim(0, 1.3 * float(rows["tflops"].max()))  # headroom for the legend
+        ax.legend(fontsize=7, ncol=len(impls) + 1, loc="upper left")
+    axes[-1, 0].set_xlabel("shape")
+    axes[-1, 0].tick_params(axis="x", rotation=35, labelsize=7)
     return add_provenance(fig, kernels)
 
 

@@ -87,15 +87,10 @@ def save_record(result, result_json: str | Path | None, output_dir: str | Path, 
 
 
 def summary_table(result) -> pd.DataFrame:
-    """The run's status and summary as a one-column table (for display)."""
-    rows = {"status": result.status, "error": result.error or "", **result.summary}
-    return pd.DataFrame({"value": [_fmt(v) for v in rows.values()]}, index=list(rows))
+    """The run's status and key figures as a human table (GiB, fixed decimals; unknown values left out)."""
+    from turbo_moe.experiments import display
 
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    return display.run_summary(result.status, result.error, result.summary)
 
 
 def plot_run(result, title: str = "") -> plt.Figure | None:
@@ -160,30 +155,3 @@ def device_memory_bytes() -> tuple[float, str]:
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
     return float(available), "host MemAvailable"
-
-
-def full_width_overrides(
-    *, n_layers: int, n_dense_layers: int, n_experts: int | None, model_overrides: Mapping[str, Any],
-    memory_bytes: float, per_device_batch: int, seq_len: int, capacity_factor: float,
-) -> dict[str, Any]:
-    """Overrides of ``deepseek_v3_671b`` for a trainable slice: fewer layers, every width exact.
-
-    ``n_experts=None`` takes the most routed experts that fit one device (see
-    ``accounting.experts_that_fit``); 256 is the exact count. Raises ValueError when nothing fits.
-    """
-    from turbo_moe.experiments import accounting
-    from turbo_moe.model import get_config
-
-    for name, value in (("n_layers", n_layers), ("per_device_batch", per_device_batch), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"parameter {name}: must be a positive int, got {value!r}")
-    overrides = {"n_layers": n_layers, "n_dense_layers": n_dense_layers, "capacity_factor": capacity_factor,
-                 "max_seq_len": max(seq_len, 1), **dict(model_overrides)}
-    cfg = get_config("deepseek_v3_671b", **overrides)  # validates the overrides, naming the field
-    if n_experts is None:
-        n_experts = accounting.experts_that_fit(cfg, memory_bytes, per_device_batch, seq_len)
-        if n_experts == 0:
-            raise ValueError(
-                f"parameter n_experts: no expert count fits {memory_bytes / 2**30:.1f} GiB with n_layers="
-                f"{n_layers}, per_device_batch={per_device_batch}, seq_len={seq_len}; lower them")
-    return {**overrides, "n_experts": int(n_experts)}

@@ -138,9 +138,12 @@ def _time(fn: Callable, *args, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def timing_table(p: Problem, iters: int = 10) -> pd.DataFrame:
-    """Milliseconds and TFLOP/s of forward and forward+backward per implementation on this device."""
+def timing_table(p: Problem, iters: int = 10, progress: Callable[[str], None] | None = None) -> pd.DataFrame:
+    """Milliseconds and TFLOP/s of forward and forward+backward per implementation on this device.
+    ``progress`` (e.g. ``print``) hears about each measurement as it starts and ends: on a CPU the whole
+    table takes a minute or more."""
     _positive_int("iters", iters)
+    started = time.perf_counter()
     lhs, group_sizes = _sorted_inputs(p)
     rows_used = int(np.asarray(group_sizes).sum())
     fwd_flops = 2.0 * rows_used * p.w.shape[1] * p.w.shape[2]
@@ -149,7 +152,11 @@ def timing_table(p: Problem, iters: int = 10) -> pd.DataFrame:
         fwd = jax.jit(lambda a, b, g, gemm=gemm: gemm(a, b, g, preferred_element_type=jnp.float32))
         train = jax.jit(jax.value_and_grad(_loss_fn(gemm), argnums=(0, 1)))
         for what, fn, flops in (("forward", fwd, fwd_flops), ("forward+backward", train, 3 * fwd_flops)):
+            if progress is not None:
+                progress(f"timing {name}, {what} (compile + {iters} calls) ...")
             seconds = _time(fn, lhs, p.w, group_sizes, iters=iters)
+            if progress is not None:
+                progress(f"  {1e3 * seconds:.3f} ms per call; {time.perf_counter() - started:.0f} s so far")
             rows.append({"implementation": name, "pass": what, "ms": 1e3 * seconds,
                          "TFLOP/s": flops / seconds / 1e12})
     table = pd.DataFrame(rows)

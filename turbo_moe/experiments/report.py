@@ -6,7 +6,8 @@ missing are skipped with a note, never an error. Outputs::
 
     figures/<name>.png      one file per figure (see FIGURES)
     figures/results.md      a markdown results table (the README's table)
-    figures/report.json     manifest: figure -> file or skip note
+    figures/report.json     manifest: figure -> file (relative to the figures folder) or skip note;
+                            no machine paths, identical for identical results
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ class ReportData:
 @dataclasses.dataclass
 class ReportSummary:
     figures_dir: Path
-    entries: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> file or "skipped: why"
+    entries: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> file name or "skipped: why"
 
     def lines(self) -> list[str]:
-        return [f"{name}: {what}" for name, what in self.entries.items()] + [
-            f"figures in {self.figures_dir}"]
+        where = Path(self.figures_dir).resolve()
+        return [f"{name}: {what if what.startswith('skipped') else where / what}"
+                for name, what in self.entries.items()] + [f"figures in {where}"]
 
     def save(self) -> None:
         (self.figures_dir / MANIFEST).write_text(json.dumps(self.entries, indent=1) + "\n")
@@ -63,6 +65,25 @@ def comparison_sweeps(frame: pd.DataFrame) -> list[str]:
         if len(recorded) >= 1 and rows["path"].is_unique:
             chosen.append(str(sweep))
     return chosen
+
+
+def check_parameters(results_dir: str | Path, figures_dir: str | Path) -> tuple[Path, Path]:
+    """04's parameter check, before anything is drawn: ``results_dir`` must exist and hold result tables
+    (``*.csv``); ``figures_dir`` is created if its parent exists. ValueError names the parameter."""
+    results_path, figures_path = Path(results_dir), Path(figures_dir)
+    if not results_path.is_dir():
+        raise ValueError(f"parameter results_dir: {str(results_dir)!r} is not a folder "
+                         f"(resolved: {results_path.resolve()})")
+    if not any(results_path.glob("*.csv")):
+        raise ValueError(f"parameter results_dir: {str(results_dir)!r} holds no results tables (*.csv); "
+                         "run a sweep first (turbo-moe sweep experiments/sweeps/cpu_default.yaml)")
+    if figures_path.exists() and not figures_path.is_dir():
+        raise ValueError(f"parameter figures_dir: {str(figures_dir)!r} exists and is not a folder")
+    if not figures_path.parent.is_dir():
+        raise ValueError(f"parameter figures_dir: the parent folder of {str(figures_dir)!r} does not exist "
+                         f"(resolved: {figures_path.parent.resolve()})")
+    figures_path.mkdir(exist_ok=True)
+    return results_path, figures_path
 
 
 def load_report_data(results_dir: str | Path) -> ReportData:
@@ -105,7 +126,10 @@ def figure_builders(data: ReportData) -> dict[str, object]:
         builders["expert_load"] = lambda: None
     tables = data.kernels.groupby("table") if not data.kernels.empty else []
     for table, rows in tables:
-        builders[str(table).replace("kernels_", "kernel_tflops_")] = lambda rows=rows: figures.kernel_tflops(rows)
+        # One figure per routing (the first keeps the plain name the README links to).
+        for i, routing in enumerate(figures.kernel_routings(rows) or [None]):
+            name = str(table).replace("kernels_", "kernel_tflops_") + (f"_{routing}" if i else "")
+            builders[name] = lambda rows=rows, routing=routing: figures.kernel_tflops(rows, routing)
     if data.kernels.empty:
         builders["kernel_tflops"] = lambda: None
     return builders
@@ -137,7 +161,7 @@ def draw(name: str, builder, figures_dir: str | Path, summary: ReportSummary | N
     out = figures_dir / f"{name}.png"
     fig.savefig(out, dpi=110, bbox_inches="tight")
     if summary is not None:
-        summary.entries[name] = str(out)
+        summary.entries[name] = out.name  # relative: the manifest must not hold this machine's paths
     return fig
 
 
@@ -186,7 +210,7 @@ def build_report(results_dir: str | Path, figures_dir: str | Path, *, close: boo
 def write_results_table(data: ReportData, figures_dir: str | Path, summary: ReportSummary) -> Path:
     out = Path(figures_dir) / "results.md"
     out.write_text(results_markdown(data.results))
-    summary.entries["results_table"] = str(out)
+    summary.entries["results_table"] = out.name
     return out
 
 

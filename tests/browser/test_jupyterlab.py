@@ -1,0 +1,192 @@
+"""02_train as a user meets it: JupyterLab in a real headless Chromium, Run All, read the page.
+
+Needs Chromium and its driver (Debian: ``apt-get install chromium chromium-driver``; ``.ci/run`` installs
+them) and selenium (the ``dev`` extra); skipped with the reason where they are missing. The parameters
+are set through JupyterLab's own cell model (as typing them would), the cells run through its Run All
+command, and the assertions read what the page shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from browser_helpers import chromium_paths
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM, CHROMEDRIVER = chromium_paths()
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                       reason="browser test: no Chromium/chromedriver found (Debian: apt-get install chromium "
+                              "chromium-driver; .ci/run installs them)"),
+    pytest.mark.timeout(420),
+]
+selenium = pytest.importorskip("selenium", reason="browser test: selenium is not installed (pip install -e '.[dev]')")
+
+TINY = """model = "tiny"
+model_overrides = {}
+moe_path = "dense_cf"
+capacity_factor = 1.0
+per_device_batch = 2
+seq_len = 32
+steps = 3
+learning_rate = 3e-3
+warmup_steps = 1
+eval_every = 0
+eval_batches = 0
+dataset = "synthetic"
+seed = 0
+train_overrides = {"skip_steps_for_tgs": 1}
+output_dir = "records"
+result_json = None
+run_name = None"""
+TOKEN = "turbo-moe-browser-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a copy of 02_train, with a `turbo-moe` kernel running this interpreter."""
+    root = tmp_path_factory.mktemp("lab")
+    shutil.copy(REPO / "notebooks" / "02_train.ipynb", root / "02_train.ipynb")
+    jupyter = tmp_path_factory.mktemp("jupyter")
+    kernel_dir = jupyter / "data" / "kernels" / "turbo-moe"
+    kernel_dir.mkdir(parents=True)
+    (kernel_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python (turbo-moe)", "language": "python"}))
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]  # one device, like a user's
+    env = {**os.environ, "JUPYTER_PATH": str(jupyter / "data"), "JUPYTER_CONFIG_DIR": str(jupyter / "config"),
+           "JUPYTER_DATA_DIR": str(jupyter / "data"), "JUPYTER_RUNTIME_DIR": str(jupyter / "runtime"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+    port = _free_port()
+    log = open(jupyter / "lab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         f"--IdentityProvider.token={TOKEN}", "--allow-root", f"--ServerApp.root_dir={root}",
+         "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: its commands and cell models
+         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("JupyterLab did not start:\n" + (jupyter / "lab.log").read_text()[-3000:])
+                time.sleep(0.5)
+        yield url, root
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1000",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_script_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(driver, script: str, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = driver.execute_script(script)
+        if value:
+            return value
+        time.sleep(1)
+    text = driver.execute_script("return document.body.innerText")
+    raise AssertionError(f"timed out waiting for {what}; page text ends with:\n{text[-3000:]}")
+
+
+_PANEL = "const nb = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+_SET_PARAMETERS = _PANEL + """
+const cells = nb.content.model.cells;
+for (let i = 0; i < cells.length; i++) {
+  const cell = cells.get(i);
+  if ((cell.getMetadata('tags') || []).includes('parameters')) { cell.sharedModel.setSource(arguments[0]); return i; }
+}
+return -1;"""
+_FINISHED = _PANEL + """
+if (!nb || !nb.sessionContext || !nb.sessionContext.session || !nb.sessionContext.session.kernel) return false;
+if (nb.sessionContext.session.kernel.status !== 'idle') return false;
+const cells = nb.content.model.cells;
+let last = null, failed = false;
+for (let i = 0; i < cells.length; i++) {
+  const cell = cells.get(i);
+  if (cell.type !== 'code') continue;
+  last = cell;
+  for (let j = 0; j < cell.outputs.length; j++) if (cell.outputs.get(j).type === 'error') failed = true;
+}
+return failed || (last !== null && last.executionCount !== null);"""
+
+
+def _run_all(driver, parameters: str) -> str:
+    """Set the parameters cell, Run All, wait for the kernel; returns the notebook's visible text."""
+    assert driver.execute_script(_SET_PARAMETERS, parameters) >= 0, "no cell tagged parameters"
+    driver.execute_script("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs');"
+                          "window.jupyterapp.commands.execute('notebook:run-all-cells');")
+    time.sleep(2)  # let the first cell start before polling for the end
+    _wait(driver, _FINISHED, 300, "Run All to finish")
+    return driver.execute_script(_PANEL + "return nb.content.node.innerText;")
+
+
+def test_02_train_in_jupyterlab(lab, browser):
+    url, root = lab
+    browser.get(f"{url}/lab/tree/02_train.ipynb?token={TOKEN}")
+    _wait(browser, _PANEL + "return !!(nb && nb.content && nb.content.model && nb.sessionContext"
+                   " && nb.sessionContext.session && nb.sessionContext.session.kernel"
+                   " && nb.sessionContext.session.kernel.status === 'idle');", 120, "the notebook and its kernel")
+    text = _run_all(browser, TINY)
+    # Phases as they happened, the final status and the one-line summary, the human table, a figure.
+    assert "train dense_cf: finished 3/3 steps" in text, text[-3000:]
+    assert "compiling the train step" in text and "initialising parameters" in text
+    assert "train dense_cf: ok | 3 steps in" in text and "peak memory" in text
+    assert "TGS (tokens/device/s)" in text and "Error displaying widget" not in text
+    images = browser.execute_script(_PANEL + "return nb.content.node.querySelectorAll('.jp-OutputArea img').length;")
+    assert images >= 2  # run plot and expert-load heatmap
+    # Saved, the record stays: the status and summary are plain outputs in the file.
+    browser.execute_script("return window.jupyterapp.commands.execute('docmanager:save');")
+    time.sleep(2)
+    saved = (root / "02_train.ipynb").read_text()
+    assert "train dense_cf: ok | 3 steps in" in saved and "widget-view+json" not in saved
+
+    bad = _run_all(browser, TINY.replace('moe_path = "dense_cf"', 'moe_path = "bogus"'))
+    assert "parameter moe_path: unknown path 'bogus'" in bad, bad[-3000:]
+    assert "finished 3/3 steps" not in bad  # stopped before training

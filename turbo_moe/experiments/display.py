@@ -1,0 +1,95 @@
+"""Tables for people: memory in GiB, fixed decimals, units in the row names, no raw dicts/None/nan.
+
+The records keep every raw field (``RunResult.summary``); these tables are what a notebook shows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pandas as pd
+
+GIB = 1024**3
+PHASE_NAMES = {"setup": "setup", "initialisation": "init", "restore": "restore", "compilation": "compile",
+               "training": "train", "evaluation": "eval", "checkpointing": "checkpoint"}
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def gib(value: Any, decimals: int = 2) -> str:
+    """Bytes as GiB text ("" when unknown)."""
+    return f"{value / GIB:.{decimals}f} GiB" if finite(value) else ""
+
+
+def phases_text(phases: Mapping[str, float] | None) -> str:
+    """``{"compilation": 33.8, ...}`` -> "compile 33.8 s, train 6.3 s" (run order, zero phases left out)."""
+    parts = [f"{PHASE_NAMES.get(k, k)} {v:.1f} s" for k, v in (phases or {}).items()
+             if finite(v) and v >= 0.05 and k != "done"]
+    return ", ".join(parts)
+
+
+def run_summary(status: str, error: str | None, summary: Mapping[str, Any]) -> pd.DataFrame:
+    """One-column table of a run: what a person asks first, with units; unknown values are left out."""
+    s = summary
+    path = s.get("moe_path")
+    rows: dict[str, str] = {"status": status}
+    if error:
+        rows["error"] = error.strip().splitlines()[0][:200]
+    rows["steps"] = str(s.get("steps_done", 0))
+    phases = s.get("phase_seconds") or {}
+    if phases:
+        rows["wall time"] = f"{sum(v for v in phases.values() if finite(v)):.1f} s ({phases_text(phases)})"
+    if finite(s.get("final_loss")):
+        rows["final train loss (nats/token)"] = f"{s['final_loss']:.4f}"
+    if finite(s.get("final_eval_loss")):
+        rows["final eval cross-entropy (nats/token)"] = f"{s['final_eval_loss']:.4f}"
+    if finite(s.get("tgs")):
+        rows["TGS (tokens/device/s)"] = f"{s['tgs']:,.0f}" + (
+            f" (last {s['tgs_steps']} steps)" if finite(s.get("tgs_steps")) else "")
+    if finite(s.get("step_time_s")):
+        rows["step time"] = f"{1e3 * s['step_time_s']:.1f} ms"
+    if finite(s.get("mfu")):
+        rows["MFU"] = f"{100 * s['mfu']:.1f} %"
+    if finite(s.get("peak_memory_bytes")):
+        source = str(s.get("memory_source") or "").split(" (")[0]
+        rows["peak memory"] = gib(s["peak_memory_bytes"]) + (f" ({source})" if source else "")
+    if finite(s.get("compiled_temp_bytes")):
+        rows["compiled step: temporaries / total"] = (f"{gib(s['compiled_temp_bytes'], 3)} / "
+                                                      f"{gib(s.get('compiled_total_bytes'), 3)}")
+    if path in ("ragged", "turbo"):
+        rows["dropped token copies"] = "none (dropless path)"
+    elif finite(s.get("dropped_fraction_mean")):
+        rows["dropped token copies"] = f"{100 * s['dropped_fraction_mean']:.1f} % (mean over steps)"
+    if finite(s.get("load_max_over_mean_mean")):
+        rows["expert load max / mean"] = f"{s['load_max_over_mean_mean']:.2f} (1 = balanced)"
+    if finite(s.get("params_total")):
+        rows["parameters total / active"] = f"{s['params_total'] / 1e6:,.2f} M / {s['params_active'] / 1e6:,.2f} M"
+    if finite(s.get("flops_per_token")):
+        rows["training GFLOP/token"] = f"{s['flops_per_token'] / 1e9:.4f}"
+    if finite(s.get("per_device_batch")) and finite(s.get("seq_len")):
+        rows["batch x sequence (per device)"] = f"{s['per_device_batch']} x {s['seq_len']}"
+    if s.get("resumed_from_step"):
+        rows["resumed from step"] = str(s["resumed_from_step"])
+    return pd.DataFrame({"value": list(rows.values())}, index=list(rows))
+
+
+def slice_results(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    """03's per-path table: TGS, measured and predicted memory as text with units; errors only where any."""
+    out = []
+    for r in rows:
+        line = {"path": r["path"], "status": r["status"],
+                "TGS (tok/dev/s)": f"{r['tgs']:,.0f}" if finite(r.get("tgs")) else "",
+                "measured peak": gib(r.get("measured_bytes")),
+                "memory measured as": str(r.get("memory_source") or "").split(" (")[0],
+                "predicted (states + activations)": gib(r.get("predicted_bytes"), 3)}
+        if r.get("error"):
+            line["error"] = str(r["error"]).strip().splitlines()[0][:160]
+        out.append(line)
+    frame = pd.DataFrame(out).set_index("path") if out else pd.DataFrame()
+    if "error" in frame:
+        frame["error"] = frame["error"].fillna("")
+    return frame

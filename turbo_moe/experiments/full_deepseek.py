@@ -1,0 +1,214 @@
+"""Part 2 of ``03_full_deepseek``: a slice of DeepSeek-V3-671B (fewer layers) trained on the devices at hand.
+
+``plan_slice`` decides what runs: the exact widths with as many routed experts as fit one device, or,
+where even the fewest experts do not fit (any CPU, small GPUs), a clearly labelled *shrunk* slice with
+every width divided by a power of two (head dimensions stay exact). ``run_paths`` trains the plan once
+per MoE path and records each run like a sweep point; ``plot_paths`` draws TGS and memory.
+
+The records go to ``experiments/runs/full_deepseek/`` unless the caller names a results folder, so an
+interactive run never lands in the committed ``experiments/results/`` that the report reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from turbo_moe.experiments import accounting
+from turbo_moe.experiments.display import GIB
+
+PRESET = "deepseek_v3_671b"
+SHRINKS = (2, 4, 8, 16, 32, 64)
+# Widths divided by the shrink factor (floors keep a valid config); head dims stay exact.
+_WIDTHS = {"d_model": 64, "n_heads": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "dense_ffn_dim": 64,
+           "moe_ffn_dim": 16, "vocab_size": 512}
+SHRUNK_MAX_STEP_TFLOP = 0.25  # a shrunk slice is a smoke run of the paths: keep its steps seconds long
+INTERACTIVE_RESULTS = Path("experiments") / "runs" / "full_deepseek"
+
+
+@dataclasses.dataclass
+class SlicePlan:
+    """What Part 2 trains: ``overrides`` of ``deepseek_v3_671b``, and how it relates to the real model."""
+
+    overrides: dict[str, Any]
+    shrink: int  # 1: every width exact
+    label: str  # one line for titles and tables
+    memory_bytes: float
+    memory_source: str
+    exact_need: pd.DataFrame  # GiB the exact widths need on one device, per expert count and path
+    notes: list[str]
+
+    @property
+    def exact(self) -> bool:
+        return self.shrink == 1
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"parameter {name}: must be a positive int, got {value!r}")
+
+
+def _need_gib(cfg, per_device_batch: int, seq_len: int) -> float:
+    table = accounting.full_model_table(cfg, accounting.MeshShape(), per_device_batch, seq_len)
+    return float(table["total GiB/device"].max())
+
+
+def _fewest_experts(cfg) -> int:
+    for n in range(cfg.n_groups, cfg.n_experts + 1, cfg.n_groups):
+        try:
+            cfg.replace(n_experts=n)
+            return n
+        except ValueError:  # too few for top_k within the selected groups
+            continue
+    return cfg.n_experts
+
+
+def plan_slice(
+    *, n_layers: int, n_dense_layers: int, n_experts: int | None, model_overrides: Mapping[str, Any],
+    memory_bytes: float, memory_source: str, per_device_batch: int, seq_len: int, capacity_factor: float,
+    max_step_tflop: float | None = None,
+) -> SlicePlan:
+    """The slice to train. ``n_experts=None``: as many as fit (256 is exact). With ``model_overrides`` the
+    user has chosen the widths: they are used as given (ValueError if nothing fits). Otherwise, when the
+    exact widths do not fit, widths shrink by the smallest power of two that fits ``memory_bytes`` and
+    ``max_step_tflop`` (training TFLOP per step; None: no limit)."""
+    from turbo_moe.model import flops_per_token, get_config
+
+    for name, value in (("n_layers", n_layers), ("per_device_batch", per_device_batch), ("seq_len", seq_len)):
+        _positive_int(name, value)
+    if n_experts is not None:
+        _positive_int("n_experts", n_experts)
+    if not isinstance(model_overrides, Mapping):
+        raise ValueError(f"parameter model_overrides: must be a dict, got {type(model_overrides).__name__}")
+    base = {"n_layers": n_layers, "n_dense_layers": n_dense_layers, "capacity_factor": capacity_factor,
+            "max_seq_len": seq_len}
+    exact_cfg = get_config(PRESET, **base)  # validates the layer counts, naming the field
+    fewest = _fewest_experts(exact_cfg)
+    exact_need = pd.DataFrame(
+        {f"{n} experts": {"GiB needed (largest path)": _need_gib(exact_cfg.replace(n_experts=n), per_device_batch,
+                                                                 seq_len)}
+         for n in sorted({fewest, n_experts or exact_cfg.n_experts, exact_cfg.n_experts})}).T
+    have = f"{memory_bytes / GIB:.1f} GiB ({memory_source})"
+
+    def fit(cfg) -> int:
+        if n_experts is not None:
+            ok = _need_gib(cfg.replace(n_experts=n_experts), per_device_batch, seq_len) * GIB <= 0.8 * memory_bytes
+            return n_experts if ok else 0
+        return accounting.experts_that_fit(cfg, memory_bytes, per_device_batch, seq_len)
+
+    if model_overrides:
+        cfg = get_config(PRESET, **{**base, **dict(model_overrides)})
+        experts = fit(cfg)
+        if experts == 0:
+            raise ValueError(f"parameter model_overrides: with these overrides no expert count fits {have} "
+                             f"(n_layers={n_layers}, per_device_batch={per_device_batch}, seq_len={seq_len})")
+        overrides = {**base, **dict(model_overrides), "n_experts": experts}
+        return SlicePlan(overrides, 1, f"{PRESET} slice with your model_overrides, {n_layers} layers, "
+                         f"{experts} experts", memory_bytes, memory_source, exact_need,
+                         ["model_overrides given: the widths are yours, not DeepSeek-V3's"])
+
+    experts = fit(exact_cfg)
+    if experts:
+        label = f"exact widths, {n_layers} of 61 layers, {experts} of 256 routed experts"
+        return SlicePlan({**base, "n_experts": experts}, 1, label, memory_bytes, memory_source, exact_need, [])
+
+    notes = [f"the exact widths do not fit this device: {have}; even {fewest} experts need "
+             f"{exact_need['GiB needed (largest path)'].min():.1f} GiB (table above)"]
+    for shrink in SHRINKS:
+        widths = {k: max(int(getattr(exact_cfg, k)) // shrink, floor) for k, floor in _WIDTHS.items()}
+        cfg = get_config(PRESET, **base, **widths)
+        # A shrunk slice checks the paths, it does not measure the architecture: the fewest experts.
+        experts = n_experts or _fewest_experts(cfg)
+        trial = cfg.replace(n_experts=experts)
+        if _need_gib(trial, per_device_batch, seq_len) * GIB > 0.8 * memory_bytes:
+            continue
+        step_tflop = flops_per_token(trial, seq_len) * per_device_batch * seq_len / 1e12
+        if max_step_tflop is not None and step_tflop > max_step_tflop:
+            continue
+        label = (f"SHRUNK slice (not DeepSeek-V3's widths): every width / {shrink}, {n_layers} layers, "
+                 f"{experts} experts")
+        notes.append(f"running {label}: " + ", ".join(f"{k} {v}" for k, v in widths.items())
+                     + f"; about {step_tflop:.3f} training TFLOP per step")
+        return SlicePlan({**base, **widths, "n_experts": experts}, shrink, label, memory_bytes, memory_source,
+                         exact_need, notes)
+    raise ValueError(
+        f"parameter seq_len: even widths / {SHRINKS[-1]} do not fit {have} with per_device_batch="
+        f"{per_device_batch}, seq_len={seq_len}; lower seq_len or set model_overrides")
+
+
+def default_max_step_tflop(platform: str) -> float | None:
+    """CPUs get a shrunk slice whose steps take seconds; accelerators are limited by memory only."""
+    return SHRUNK_MAX_STEP_TFLOP if platform == "cpu" else None
+
+
+def results_location(results_dir: str | Path | None, repo_root: str | Path) -> Path:
+    """Where the rows go: the named folder, else ``experiments/runs/full_deepseek`` (never the report's)."""
+    return Path(results_dir) if results_dir else Path(repo_root) / INTERACTIVE_RESULTS
+
+
+def run_paths(
+    plan: SlicePlan, paths: Sequence[str], *, per_device_batch: int, seq_len: int, steps: int, dataset: str,
+    capacity_factor: float, train_overrides: Mapping[str, Any], results_dir: str | Path, table: str,
+) -> list[dict[str, Any]]:
+    """Train ``plan`` once per path; each run becomes a row of ``<results_dir>/<table>.csv`` plus a record.
+    Returns one dict per path (status, TGS, measured and predicted bytes, error)."""
+    from turbo_moe.experiments import notebook as nb
+    from turbo_moe.train import run
+
+    rows = []
+    for path in paths:
+        tc = nb.train_config(model=PRESET, model_overrides=plan.overrides, moe_path=path,
+                             capacity_factor=capacity_factor, per_device_batch=per_device_batch, steps=steps,
+                             seq_len=seq_len, dataset=dataset, warmup_steps=min(2, steps), eval_every=0,
+                             eval_batches=1, train_overrides=train_overrides)
+        start = time.perf_counter()
+        result = run(tc)
+        params = {"moe_path": path, "capacity_factor": capacity_factor, "per_device_batch": per_device_batch,
+                  "seq_len": seq_len, "n_layers": plan.overrides["n_layers"],
+                  "n_experts": plan.overrides["n_experts"], "shrink": plan.shrink}
+        nb.record_in_table(result, results_dir=results_dir, sweep=table, params=params,
+                           elapsed_s=time.perf_counter() - start)
+        predicted = accounting.full_model_table(tc.model_config(), accounting.MeshShape(), per_device_batch,
+                                                seq_len, paths=[path]).iloc[0]
+        rows.append({"path": path, "status": result.status, "tgs": result.summary.get("tgs"),
+                     "measured_bytes": result.summary.get("peak_memory_bytes"),
+                     "memory_source": result.summary.get("memory_source"),
+                     "predicted_bytes": predicted["total GiB/device"] * GIB, "error": result.error})
+    return rows
+
+
+def memory_note(platform: str) -> str:
+    """Why measured and predicted memory may not compare."""
+    if platform == "cpu":
+        return ("CPU: 'measured' is the peak RSS of the whole kernel process (Python, JAX, XLA's compiler, the "
+                "data), 'predicted' only the slice's training states and activations: not comparable; the "
+                "prediction is for an accelerator's allocator")
+    return "measured: the device allocator's peak for this process; predicted: states + activations"
+
+
+def plot_paths(rows: Sequence[Mapping[str, Any]], plan: SlicePlan, platform: str):
+    """TGS and memory (measured vs predicted) per path; None when no path finished."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    ok = pd.DataFrame([r for r in rows if r["status"] == "ok"])
+    if ok.empty:
+        print("no path finished; see the error column")
+        return None
+    ok["measured peak"] = ok["measured_bytes"].astype(float) / GIB
+    ok["predicted"] = ok["predicted_bytes"].astype(float) / GIB
+    fig, (ax_tgs, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+    sns.barplot(data=ok, x="path", y="tgs", ax=ax_tgs)
+    ax_tgs.set(ylabel="TGS (tokens / device / s)", xlabel="MoE path", title="Throughput")
+    mem = ok.melt(id_vars="path", value_vars=["measured peak", "predicted"], var_name="memory", value_name="GiB")
+    sns.barplot(data=mem, x="path", y="GiB", hue="memory", ax=ax_mem)
+    ax_mem.set(ylabel="memory (GiB)", xlabel="MoE path", title="Memory" + (" (not comparable on CPU)"
+                                                                           if platform == "cpu" else ""))
+    fig.suptitle(plan.label, fontsize=10)
+    fig.tight_layout()
+    return fig
