@@ -303,7 +303,7 @@ def test_tiny_model_lm_loss_and_grads_match_one_device(path):
 @requires_turbo
 def test_train_step_with_expert_parallel_matches_data_parallel():
     """build_program on a (2, 2) ("data", "expert") mesh: expert weights and their AdamW moments split
-    over "expert", one optimizer step equal to the (4, 1) data-parallel one."""
+    over "expert" (and "data", FSDP), one optimizer step equal to the (4, 1) data-parallel one."""
     from tests.model.conftest import micro_config
     from turbo_moe.train import TrainConfig
     from turbo_moe.train.step import build_program, device_batch, make_mesh, make_optimizer
@@ -318,9 +318,15 @@ def test_train_step_with_expert_parallel_matches_data_parallel():
         mesh = make_mesh(jax.devices()[:4], expert_parallel=ep)
         program = build_program(cfg, tx, mesh)
         state = program.init(jax.random.key(0))
-        experts = state.params["layers"][1]["ffn"]["experts"]["w_gate_up"][...]
-        assert experts.sharding.spec == jax.sharding.PartitionSpec("expert")
-        assert experts.addressable_shards[0].data.shape[0] == cfg.n_experts // ep
+        experts = state.params["moe_layers"]["blocks"]["ffn"]["experts"]["w_gate_up"][...]  # (L, E, D, 2F)
+        spec = experts.sharding.spec
+        assert spec[0] is None, "the layer axis is never split"
+        assert (spec[1] == "expert") == (ep > 1)
+        assert "data" in jax.tree.leaves(tuple(spec)), f"expert states are also split over data: {spec}"
+        shard = experts.addressable_shards[0].data.shape
+        assert shard[1] == cfg.n_experts // ep and np.prod(shard) == experts.size // 4
+        moments = [m for m in jax.tree.leaves(state.opt_state) if m.shape == experts.shape]
+        assert moments and all(m.sharding == experts.sharding for m in moments), "moments not sharded alike"
         sharded_batch = device_batch(batch, mesh)
         if ep > 1:
             assert "all_to_all" in program.train.lower(state, sharded_batch).as_text(), "MoE layers ran without EP"

@@ -93,7 +93,7 @@ def test_training_steps_reduce_loss_and_update_router_bias():
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.5, losses
     assert 0.0 <= float(metrics["dropped_fraction"]) < 1.0
-    biases = np.stack([np.asarray(r.bias[...]) for r in model.routers()])
+    biases = np.asarray(model.router_bias_table())
     assert biases.shape == (2, cfg.n_experts) and np.abs(biases).max() > 0
 
 

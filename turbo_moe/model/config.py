@@ -85,6 +85,9 @@ class ModelConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat_policy: str = "none"
+    # Run each stack of blocks (dense prefix, MoE blocks) as one jax.lax.scan: compile time independent
+    # of depth. False: the same stacked weights in a Python loop (every layer in the HLO; debugging).
+    scan_layers: bool = True
     tie_embeddings: bool = False
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02  # std of every projection's normal init
@@ -261,7 +264,8 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
     _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
              "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
-    _require(isinstance(c.tie_embeddings, bool), "tie_embeddings", f"must be a bool, got {c.tie_embeddings!r}")
+    for name in ("tie_embeddings", "scan_layers"):
+        _require(isinstance(getattr(c, name), bool), name, f"must be a bool, got {getattr(c, name)!r}")
 
 
 # ---------------------------------------------------------------- presets

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.sharding import EXPERT_AXIS
 
 
 class ExpertWeights(NamedTuple):
@@ -52,8 +53,10 @@ class RoutedExperts(nnx.Module):
         init = nnx.initializers.normal(cfg.init_std)
         e, d, f = cfg.n_experts, cfg.d_model, cfg.moe_ffn_dim
         dtype = jnp.dtype(cfg.param_dtype)
-        self.w_gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), dtype))  # (E, D, 2F)
-        self.w_down = nnx.Param(init(rngs.params(), (e, f, d), dtype))  # (E, F, D)
+        # The expert dim is declared for sharding (turbo_moe.model.sharding): split over "expert".
+        axes = (EXPERT_AXIS, None, None)
+        self.w_gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), dtype), logical_axes=axes)  # (E, D, 2F)
+        self.w_down = nnx.Param(init(rngs.params(), (e, f, d), dtype), logical_axes=axes)  # (E, F, D)
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(self.w_gate_up[...], self.w_down[...])

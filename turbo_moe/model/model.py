@@ -1,6 +1,7 @@
 """DeepSeek-V3-style decoder: MLA + (dense | MoE) blocks, optional multi-token prediction, LM loss.
 
-Read bottom-up: DecoderBlock -> MTPModule -> DeepSeekModel -> lm_loss / update_router_bias.
+Read bottom-up: (stack.py: DecoderBlock, BlockStack) -> MTPModule -> DeepSeekModel -> lm_loss /
+update_router_bias. The dense prefix and the MoE blocks are two BlockStacks (one scan each).
 """
 
 from __future__ import annotations
@@ -12,56 +13,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
-from turbo_moe.model.layers import MLAttention, RMSNorm, SwiGLU, compute_dtype, linear, rope_tables
-from turbo_moe.model.moe_layer import LayerStats, MoELayer
-from turbo_moe.model.router import Router, updated_bias
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the whole block in the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+from turbo_moe.model.layers import RMSNorm, compute_dtype, linear, rope_tables
+from turbo_moe.model.router import RouterBias, updated_bias
+from turbo_moe.model.stack import BlockStack, DecoderBlock, apply_block, concat_stats
 
 
 class MoEStats(NamedTuple):
     expert_load: jax.Array  # (L_moe, E) float32 token copies per expert, main MoE layers then MTP ones
     dropped_fraction: jax.Array  # () float32, mean over MoE layers
     balance_loss: jax.Array  # () float32, sum over MoE layers of the sequence-wise balance loss
+    dropped_fraction_per_layer: jax.Array  # (L_moe,) float32, same row order as expert_load
 
 
 class ModelOutput(NamedTuple):
     logits: jax.Array  # (B, S, V) float32; position i predicts token i+1
     mtp_logits: tuple  # D arrays (B, S, V) float32; depth d at position i predicts token i+d+1
     moe: MoEStats
-
-
-class DecoderBlock(nnx.Module):
-    """Pre-norm block: x + MLA(norm(x)), then x + FFN(norm(x)), FFN dense SwiGLU or MoE."""
-
-    def __init__(self, cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg)
-        self.attn = MLAttention(cfg, rngs)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg)
-        self.is_moe = cfg.is_moe_layer(layer_index)
-        self.ffn = MoELayer(cfg, rngs) if self.is_moe else SwiGLU(cfg, cfg.dense_ffn_dim, rngs)
-
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, LayerStats | None]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, S, D)
-        if self.is_moe:
-            y, stats = self.ffn(self.ffn_norm(x))
-            return x + y, stats
-        return x + self.ffn(self.ffn_norm(x)), None
-
-
-def _run_block(block: DecoderBlock, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    return block(x, cos, sin)
-
-
-def apply_block(cfg: ModelConfig, block: DecoderBlock, x, cos, sin):
-    """Run a block, rematerialised per `cfg.remat_policy`."""
-    if cfg.remat_policy == "none":
-        return block(x, cos, sin)
-    return nnx.remat(_run_block, policy=REMAT_POLICIES[cfg.remat_policy])(block, x, cos, sin)
 
 
 class MTPModule(nnx.Module):
@@ -79,20 +46,12 @@ class MTPModule(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg)
 
 
-def _stack_stats(stats: list[LayerStats], n_experts: int) -> MoEStats:
-    if not stats:
-        zero = jnp.zeros((), jnp.float32)
-        return MoEStats(jnp.zeros((0, n_experts), jnp.float32), zero, zero)
-    return MoEStats(
-        expert_load=jnp.stack([s.expert_load for s in stats]),
-        dropped_fraction=jnp.mean(jnp.stack([s.dropped_fraction for s in stats])),
-        balance_loss=jnp.sum(jnp.stack([s.balance_loss for s in stats])),
-    )
-
-
 class DeepSeekModel(nnx.Module):
     """Embedding -> n_layers DecoderBlocks (first n_dense_layers dense, rest MoE) -> RMSNorm -> head,
-    plus `mtp_depth` MTP modules chained on the final hidden state. Params float32, compute cfg.dtype."""
+    plus `mtp_depth` MTP modules chained on the final hidden state. Params float32, compute cfg.dtype.
+
+    The blocks live in two stacks, `dense_layers` and `moe_layers` (None when empty), each holding its
+    blocks' weights on a leading layer axis."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not isinstance(cfg, ModelConfig):
@@ -101,7 +60,9 @@ class DeepSeekModel(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=compute_dtype(cfg),
                                param_dtype=jnp.dtype(cfg.param_dtype),
                                embedding_init=nnx.initializers.normal(cfg.embedding_std), rngs=rngs)
-        self.layers = nnx.List([DecoderBlock(cfg, i, rngs) for i in range(cfg.n_layers)])
+        n_dense, n_moe = cfg.n_dense_layers, cfg.n_moe_layers
+        self.dense_layers = BlockStack(cfg, 0, n_dense, rngs) if n_dense else None
+        self.moe_layers = BlockStack(cfg, n_dense, n_moe, rngs) if n_moe else None
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         self.head = None if cfg.tie_embeddings else linear(
             cfg, cfg.d_model, cfg.vocab_size, rngs, preferred_element_type=jnp.float32)
@@ -126,11 +87,12 @@ class DeepSeekModel(nnx.Module):
         cos, sin = rope_tables(s, cfg.qk_rope_head_dim, cfg.rope_theta)  # (S, R/2) each
 
         h = self.embed(inputs)  # (B, S, D)
-        stats: list[LayerStats] = []
-        for block in self.layers:
-            h, layer_stats = apply_block(cfg, block, h, cos, sin)
-            if layer_stats is not None:
-                stats.append(layer_stats)
+        stats = []  # per-layer LayerStats in router order: main MoE layers, then MTP blocks
+        for stack in (self.dense_layers, self.moe_layers):
+            if stack is not None:
+                h, layer_stats = stack(h, cos, sin)
+                if layer_stats is not None:
+                    stats.append(layer_stats)
         logits = self.logits(self.final_norm(h))
 
         stream = inputs if targets is None else jnp.concatenate([inputs, targets[:, -1:]], axis=1)
@@ -142,12 +104,24 @@ class DeepSeekModel(nnx.Module):
             if layer_stats is not None:
                 stats.append(layer_stats)
             mtp_logits.append(self.logits(module.final_norm(h)))
-        return ModelOutput(logits, tuple(mtp_logits), _stack_stats(stats, cfg.n_experts))
+        per_layer = concat_stats(stats, cfg.n_experts)
+        n_rows = per_layer.expert_load.shape[0]
+        zero = jnp.zeros((), jnp.float32)
+        return ModelOutput(logits, tuple(mtp_logits), MoEStats(
+            expert_load=per_layer.expert_load,
+            dropped_fraction=jnp.mean(per_layer.dropped_fraction) if n_rows else zero,
+            balance_loss=jnp.sum(per_layer.balance_loss) if n_rows else zero,
+            dropped_fraction_per_layer=per_layer.dropped_fraction))
 
-    def routers(self) -> list[Router]:
-        """Routers in `MoEStats.expert_load` row order: main MoE layers, then MTP blocks."""
-        blocks = list(self.layers) + [m.block for m in self.mtp]
-        return [blk.ffn.router for blk in blocks if blk.is_moe]
+    def router_biases(self) -> list[RouterBias]:
+        """Router bias variables in `MoEStats.expert_load` row order: the MoE stack's (L_moe, E), then
+        one (E,) per MoE MTP block."""
+        biases = [self.moe_layers.blocks.ffn.router.bias] if self.moe_layers is not None else []
+        return biases + [m.block.ffn.router.bias for m in self.mtp if m.block.is_moe]
+
+    def router_bias_table(self) -> jax.Array:
+        """(L_router, E) float32: every router's bias, one row per MoE layer (MTP blocks last)."""
+        return jnp.concatenate([jnp.reshape(b[...], (-1, self.cfg.n_experts)) for b in self.router_biases()])
 
 
 def _shift_left(tokens: jax.Array, n: int) -> jax.Array:
@@ -193,6 +167,7 @@ def lm_loss(model: DeepSeekModel, batch: dict) -> tuple[jax.Array, dict]:
     metrics = {
         "loss": loss, "ce_loss": ce, "mtp_loss": mtp, "balance_loss": out.moe.balance_loss,
         "dropped_fraction": out.moe.dropped_fraction, "load_max_over_mean": max_over_mean,
+        "dropped_fraction_per_layer": out.moe.dropped_fraction_per_layer,
         "expert_load": load,
     }
     return loss, metrics
@@ -204,10 +179,14 @@ def update_router_bias(model: DeepSeekModel, expert_load: jax.Array, rate: float
     expert_load (L_moe, E) as in `MoEStats.expert_load`; rate defaults to cfg.router_bias_rate.
     Call outside the gradient (after the optimizer step).
     """
-    routers = model.routers()
     rate = model.cfg.router_bias_rate if rate is None else rate
-    if expert_load.shape != (len(routers), model.cfg.n_experts):
+    n_rows = model.cfg.n_router_layers
+    if expert_load.shape != (n_rows, model.cfg.n_experts):
         raise ValueError(f"expert_load shape {tuple(expert_load.shape)} != (L_moe, E) = "
-                         f"{(len(routers), model.cfg.n_experts)}")
-    for router, load in zip(routers, expert_load):
-        router.bias[...] = updated_bias(router.bias[...], load, rate)
+                         f"{(n_rows, model.cfg.n_experts)}")
+    row = 0
+    for bias in model.router_biases():  # (L, E) for the MoE stack, (E,) for an MTP block
+        rows = bias[...].shape[0] if bias[...].ndim == 2 else 1
+        load = expert_load[row:row + rows].reshape(bias[...].shape)
+        bias[...] = updated_bias(bias[...], load, rate)
+        row += rows

@@ -30,6 +30,9 @@ class TrainConfig:
     per_device_batch: int = 8
     # Routed experts split over this many devices (mesh (devices / ep, ep) over ("data", "expert")).
     expert_parallel: int = 1
+    # ZeRO-3 / FSDP: shard every training state over the devices (turbo_moe.model.sharding); False
+    # replicates the non-expert states over all devices and the expert states over "data".
+    fsdp: bool = True
     seq_len: int | None = None
     steps: int = 50
     learning_rate: float = 3e-3
@@ -142,7 +145,7 @@ def _validate(c: TrainConfig) -> None:
              f"must be 'shakespeare', 'synthetic' or a path, got {c.dataset!r}")
     _require(isinstance(c.text_field, str) and c.text_field != "", "text_field",
              f"must be a non-empty str, got {c.text_field!r}")
-    for name in ("resume", "progress"):
+    for name in ("resume", "progress", "fsdp"):
         _require(isinstance(getattr(c, name), bool), name, f"must be a bool, got {getattr(c, name)!r}")
     _require(not c.resume or c.checkpoint_dir is not None, "resume", "resume=True needs a checkpoint_dir")
     for name in ("data_dir", "checkpoint_dir"):

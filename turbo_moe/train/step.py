@@ -20,13 +20,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_bias
+from turbo_moe.model.sharding import state_shardings as model_state_shardings
 from turbo_moe.train.config import TrainConfig
 
-# Mesh axes: ("data", "expert"). Tokens are split over every device; the routed experts' weights (and
-# their optimizer moments) are split over "expert" on their leading E dim, everything else replicated.
+# Mesh axes: ("data", "expert"). Tokens are split over every device; the training states are sharded
+# by the logical axes their parameters declare (turbo_moe.model.sharding: ZeRO-3 / FSDP).
 MESH_AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")  # tokens are split over every device
-ROUTED_EXPERT_LEAVES = ("w_gate_up", "w_down")  # RoutedExperts' (E, ...) parameters
 
 
 class TrainState(NamedTuple):
@@ -48,20 +48,10 @@ def make_mesh(devices: list | None = None, expert_parallel: int = 1) -> Mesh:
     return Mesh(np.asarray(devices).reshape(len(devices) // expert_parallel, expert_parallel), MESH_AXES)
 
 
-def _is_routed_expert(path) -> bool:
-    """Whether a state leaf (param or optimizer moment) is a routed expert weight (E, ...)."""
-    names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
-    return "experts" in names and any(name in ROUTED_EXPERT_LEAVES for name in names)
-
-
-def state_shardings(abstract_state, mesh: Mesh):
-    """Routed-expert weights split over "expert" on E; every other leaf replicated."""
-    experts = NamedSharding(mesh, P("expert"))
-
-    def choose(path, leaf):
-        return experts if _is_routed_expert(path) and getattr(leaf, "ndim", 0) >= 1 else replicated(mesh)
-
-    return jax.tree_util.tree_map_with_path(choose, abstract_state)
+def state_shardings(abstract_state, mesh: Mesh, fsdp: bool = True):
+    """Shardings of a TrainState: routed-expert states split over "expert" (and "data" with fsdp),
+    every other state over all devices with fsdp, replicated without (turbo_moe.model.sharding)."""
+    return model_state_shardings(abstract_state, mesh, fsdp=fsdp)
 
 
 def _in_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
@@ -129,9 +119,10 @@ def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation):
     return new_model, create
 
 
-def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh):
+def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
+               fsdp: bool = True):
     """Initialise the model and optimizer over the mesh (state_shardings). Returns (graphdef, TrainState)."""
-    program = build_program(model_cfg, tx, mesh)
+    program = build_program(model_cfg, tx, mesh, fsdp)
     return program.graphdef, program.init(jax.random.key(seed))
 
 
@@ -184,11 +175,12 @@ class Program:
 
 
 @functools.lru_cache(maxsize=4)
-def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh) -> Program:
+def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
+                  fsdp: bool = True) -> Program:
     new_model, create = _init_fn(model_cfg, tx)
     key = jax.random.key(0)
     graphdef = nnx.split(nnx.eval_shape(lambda: new_model(key)), nnx.Param, ...)[0]  # no allocation
-    state_sharding = state_shardings(jax.eval_shape(create, key), mesh)
+    state_sharding = state_shardings(jax.eval_shape(create, key), mesh, fsdp)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
     init = jax.jit(create, out_shardings=state_sharding)

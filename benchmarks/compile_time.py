@@ -1,0 +1,131 @@
+"""Cold compile time of parameter init + train step, scanned vs unrolled layers, by depth.
+
+    python benchmarks/compile_time.py                      # all cases, prints a table, saves CSV + figure
+    python benchmarks/compile_time.py --cases reduced,full_4 --out /tmp/ct
+
+Each case compiles in a fresh subprocess with JAX's persistent compilation cache off, so nothing is
+reused: "init" is `jit(create).lower(key).compile()` and "train" is the train step lowered on abstract
+inputs (`.lower(abstract state, abstract batch).compile()`): nothing is allocated, so full-width
+slices compile on any machine. Cases: `reduced` (16 layers) and full-width DeepSeek-V3 slices with
+4 / 16 / 61 layers (exact widths, 16 routed experts so the graph stays the same size), each scanned
+and (where it finishes in reasonable time) unrolled. Results carry provenance.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL_WIDTH = dict(n_experts=16, n_groups=8, topk_groups=4, top_k=8)  # exact widths, few experts
+CASES = {
+    # name: (preset, overrides, per_device_batch, seq_len)
+    "reduced": ("reduced", {}, 8, 2048),
+    "full_4": ("deepseek_v3_671b", dict(n_layers=4, **FULL_WIDTH), 1, 4096),
+    "full_16": ("deepseek_v3_671b", dict(n_layers=16, **FULL_WIDTH), 1, 4096),
+    "full_61": ("deepseek_v3_671b", dict(n_layers=61, **FULL_WIDTH), 1, 4096),
+}
+DEFAULT_RUNS = ["reduced:scan", "reduced:unrolled", "full_4:scan", "full_16:scan", "full_61:scan",
+                "full_4:unrolled", "full_16:unrolled"]
+
+
+def compile_case(case: str, mode: str, moe_path: str) -> dict:
+    """Runs in the child: compile init and train step of one case cold, return the timings."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    from turbo_moe.model import get_config
+    from turbo_moe.train import TrainConfig
+    from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
+
+    preset, overrides, batch, seq = CASES[case]
+    cfg = get_config(preset, **overrides, moe_path=moe_path, scan_layers=(mode == "scan"))
+    tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq))
+    mesh = make_mesh(jax.devices()[:1])
+    t0 = time.perf_counter()
+    program = build_program(cfg, tx, mesh)
+    t_build = time.perf_counter() - t0
+    key = jax.random.key(0)
+    t0 = time.perf_counter()
+    init = program.init.lower(key).compile()
+    t_init = time.perf_counter() - t0
+    abstract_state = jax.eval_shape(program.init, key)
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  abstract_state, init.output_shardings)
+    t0 = time.perf_counter()
+    train = program.train.lower(abstract_state, abstract_batch(batch, seq, mesh)).compile()
+    t_train = time.perf_counter() - t0
+    mem = train.memory_analysis()
+    return {"case": case, "mode": mode, "moe_path": moe_path, "n_layers": cfg.n_layers,
+            "d_model": cfg.d_model, "n_experts": cfg.n_experts, "per_device_batch": batch, "seq_len": seq,
+            "build_s": round(t_build, 2), "init_compile_s": round(t_init, 2),
+            "train_compile_s": round(t_train, 2), "total_s": round(t_build + t_init + t_train, 2),
+            "train_temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 2) if mem else None}
+
+
+def run_child(case: str, mode: str, moe_path: str, timeout_s: float) -> dict:
+    cmd = [sys.executable, __file__, "--child", f"{case}:{mode}", "--moe-path", moe_path]
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": ""}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"case": case, "mode": mode, "moe_path": moe_path, "status": f"timeout > {timeout_s:.0f} s"}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode or not lines:
+        return {"case": case, "mode": mode, "moe_path": moe_path,
+                "status": f"error rc={out.returncode}: {out.stderr.strip().splitlines()[-1:]}"}
+    return {**json.loads(lines[-1]), "status": "ok"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="case:mode list (mode scan|unrolled)")
+    ap.add_argument("--moe-path", default="turbo")
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="per case; a timeout is a result row")
+    ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        case, mode = args.child.split(":")
+        print(json.dumps(compile_case(case, mode, args.moe_path)), flush=True)
+        return
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _provenance import provenance  # noqa: E402
+
+    prov = provenance()
+    device = prov["device_kind"].lower().replace(" ", "_")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / f"compile_time_{device}.csv"
+    rows = []
+    for run in args.runs.split(","):
+        case, mode = run.split(":")
+        if case not in CASES or mode not in ("scan", "unrolled"):
+            raise SystemExit(f"--runs: {run!r} is not case:mode with case in {sorted(CASES)}, mode scan|unrolled")
+        row = {**run_child(case, mode, args.moe_path, args.timeout_s), **prov}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        fields = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k))
+        with open(table, "w", newline="") as f:  # rewritten after every case: nothing finished is lost
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+    print(f"\n{'case':10} {'mode':9} {'layers':>6} {'init s':>8} {'train s':>8} {'total s':>8}  status")
+    for r in rows:
+        print(f"{r['case']:10} {r['mode']:9} {r.get('n_layers', ''):>6} {r.get('init_compile_s', ''):>8} "
+              f"{r.get('train_compile_s', ''):>8} {r.get('total_s', ''):>8}  {r['status']}")
+    ok = {(r["case"], r["mode"]): r for r in rows if r["status"] == "ok"}
+    if ("full_4", "scan") in ok and ("full_61", "scan") in ok:
+        ratio = ok[("full_61", "scan")]["total_s"] / ok[("full_4", "scan")]["total_s"]
+        print(f"61 layers / 4 layers (scan): {ratio:.2f}x (target <= 1.5x)")
+    print(f"saved {table}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Decoder blocks and the layer stack that runs them with one `jax.lax.scan`.
+
+A `BlockStack` holds `n` blocks of one kind (dense or MoE) as ONE module whose every array has a
+leading layer axis (L, ...). Initialisation vmaps the block constructor over L keys and the forward
+pass scans over L, so both compile one block, whatever the depth. Per-layer meaning is kept: the
+router biases are (L, E), the stats the scan returns are per layer. `cfg.scan_layers=False` runs the
+same stacked weights in a Python loop (every layer in the HLO: for debugging), with the same results.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.layers import MLAttention, RMSNorm, SwiGLU
+from turbo_moe.model.moe_layer import LayerStats, MoELayer
+from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm block: x + MLA(norm(x)), then x + FFN(norm(x)), FFN dense SwiGLU or MoE."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg)
+        self.attn = MLAttention(cfg, rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg)
+        self.is_moe = cfg.is_moe_layer(layer_index)
+        self.ffn = MoELayer(cfg, rngs) if self.is_moe else SwiGLU(cfg, cfg.dense_ffn_dim, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, LayerStats | None]:
+        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, S, D)
+        if self.is_moe:
+            y, stats = self.ffn(self.ffn_norm(x))
+            return x + y, stats
+        return x + self.ffn(self.ffn_norm(x)), None
+
+
+def block_fn(cfg: ModelConfig, graphdef):
+    """(h, block state, cos, sin) -> (h, stats): one block as a pure function, rematerialised per
+    `cfg.remat_policy`. Pure (split/merge) so that it can sit inside `jax.lax.scan` and `jax.checkpoint`."""
+
+    def run(h, state, cos, sin):
+        return nnx.merge(graphdef, state)(h, cos, sin)
+
+    if cfg.remat_policy == "none":
+        return run
+    # prevent_cse=False: the scan already keeps XLA from merging the recomputation with the forward.
+    return jax.checkpoint(run, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
+
+
+def apply_block(cfg: ModelConfig, block: DecoderBlock, h, cos, sin):
+    """Run one (unstacked) block, e.g. an MTP block, rematerialised like the stacked ones."""
+    graphdef, state = nnx.split(block)
+    return block_fn(cfg, graphdef)(h, state, cos, sin)
+
+
+class BlockStack(nnx.Module):
+    """`n_blocks` DecoderBlocks numbered from `first_layer` (all dense or all MoE), stacked on axis 0."""
+
+    def __init__(self, cfg: ModelConfig, first_layer: int, n_blocks: int, rngs: nnx.Rngs):
+        kinds = {cfg.is_moe_layer(i) for i in range(first_layer, first_layer + n_blocks)}
+        if n_blocks <= 0 or len(kinds) != 1:
+            raise ValueError(f"BlockStack: layers {first_layer}..{first_layer + n_blocks - 1} must be "
+                             f"one or more blocks of one kind (dense or MoE)")
+        self.cfg = cfg
+        self.n_blocks = n_blocks
+        self.is_moe = kinds.pop()
+
+        def new_block_state(key):
+            return nnx.state(DecoderBlock(cfg, first_layer, nnx.Rngs(params=key)))
+
+        # One vmapped constructor: the init program holds one RNG kernel per parameter, not per layer.
+        stacked = jax.vmap(new_block_state)(jax.random.split(rngs.params(), n_blocks))
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderBlock(cfg, first_layer, nnx.Rngs(params=0))))
+        self.blocks = nnx.merge(graphdef, with_leading_axis(stacked, LAYER_AXIS))
+
+    def __call__(self, h: jax.Array, cos: jax.Array, sin: jax.Array):
+        """h (B, S, D) -> (h, stats stacked over the layers (L, ...) or None for dense blocks)."""
+        graphdef, state = nnx.split(self.blocks)
+        run = block_fn(self.cfg, graphdef)
+
+        def body(carry, layer_state):
+            return run(carry, layer_state, cos, sin)
+
+        if self.cfg.scan_layers:
+            return jax.lax.scan(body, h, state)
+        per_layer = []
+        for i in range(self.n_blocks):
+            h, stats = body(h, jax.tree.map(lambda a: a[i], state))
+            per_layer.append(stats)
+        if per_layer[0] is None:
+            return h, None
+        return h, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+class StackStats(NamedTuple):
+    """LayerStats of several stacks and single blocks, concatenated in router order."""
+
+    expert_load: jax.Array  # (L_moe, E)
+    dropped_fraction: jax.Array  # (L_moe,)
+    balance_loss: jax.Array  # (L_moe,)
+
+
+def concat_stats(parts: list[LayerStats], n_experts: int) -> StackStats:
+    """Concatenate per-layer stats in router order: a stack's have a leading layer axis, a single
+    block's (an MTP block) none."""
+    rows = [p if p.expert_load.ndim == 2 else jax.tree.map(lambda a: a[None], p) for p in parts]
+    if not rows:
+        empty = jnp.zeros((0,), jnp.float32)
+        return StackStats(jnp.zeros((0, n_experts), jnp.float32), empty, empty)
+    return StackStats(*(jnp.concatenate(xs) for xs in zip(*rows)))
