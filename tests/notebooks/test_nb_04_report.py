@@ -20,6 +20,19 @@ def test_report_command_draws_figures_and_passes_nbval(tmp_path, kernel, capsys)
         assert (figures_dir / f"{name}.png").exists(), name
         assert f"{name}: {(figures_dir / name).resolve()}.png" in out
     assert "| cpu_loss | turbo |" in (figures_dir / "results.md").read_text()
+    assert str(tmp_path) not in (figures_dir / "report.json").read_text()
     executed = tmp_path / "runs" / "report" / "04_report.ipynb"
     checked = nbval(executed)
     assert checked.returncode == 0, checked.stdout[-3000:]
+
+
+def test_bad_results_dir_stops_in_the_first_cells(tmp_path, kernel):
+    import papermill
+    import pytest
+
+    with pytest.raises(papermill.PapermillExecutionError) as err:
+        papermill.execute_notebook(str(NOTEBOOKS / "04_report.ipynb"), str(tmp_path / "out.ipynb"),
+                                   parameters={"results_dir": str(tmp_path / "typo"), "figures_dir": str(tmp_path)},
+                                   kernel_name=kernel, cwd=str(NOTEBOOKS), progress_bar=False)
+    assert err.value.ename == "ValueError" and "parameter results_dir" in err.value.evalue
+    assert err.value.cell_index == 3  # markdown, parameters, injected parameters, then the check

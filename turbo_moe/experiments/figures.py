@@ -134,10 +134,12 @@ def _mark_not_run(ax: plt.Axes, rows: pd.DataFrame) -> None:
         for path, path_rows in sweep_rows.groupby("path"):
             done = set(path_rows.loc[path_rows["status"].isin(["ok", "oom"]), "per_device_batch"])
             for batch in sorted(batches - done):
-                ax.scatter(batch, 0.02, marker="o", facecolors="none", edgecolors="0.4", s=60, zorder=5,
+                # Above the OOM crosses (which sit at the bottom), so that both stay readable.
+                ax.scatter(batch, 0.45, marker="o", facecolors="none", edgecolors="0.4", s=60, zorder=5,
                            transform=ax.get_xaxis_transform(), label="not run" if first else None)
-                ax.annotate(f"{path}: not run", (batch, 0.05), xycoords=ax.get_xaxis_transform(), rotation=90,
-                            fontsize=6, color="0.35", ha="center", va="bottom")
+                ax.annotate(f"{path}: not run", (batch, 0.45), xycoords=ax.get_xaxis_transform(),
+                            xytext=(-8, 0), textcoords="offset points", fontsize=7, color="0.25", ha="right",
+                            va="center", bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 1})
                 first = False
 
 
@@ -194,12 +196,15 @@ def loss_curves(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figure | 
         rows = histories[histories["sweep"] == sweep]
         # Cross-entropy, comparable with the eval loss (the total loss adds MTP and balance terms).
         y = "ce_loss" if "ce_loss" in rows and rows["ce_loss"].notna().any() else "loss"
-        _smoothed_lines(ax_train, rows, y)
+        labels = sorted(rows["label"].unique())
+        palette = dict(zip(labels, sns.color_palette(n_colors=len(labels))))  # same colours on both panels
+        _smoothed_lines(ax_train, rows, y, palette)
         ax_train.set(xlabel="step", ylabel=f"train {'cross-entropy' if y == 'ce_loss' else 'loss'} (nats / token)",
                      title=f"Train loss — {sweep}")
         evals = rows[rows["eval_loss"].notna()] if "eval_loss" in rows else rows.iloc[0:0]
         if not evals.empty:
-            sns.lineplot(data=evals, x="step", y="eval_loss", hue="label", marker="o", ax=ax_eval, errorbar=None)
+            sns.lineplot(data=evals, x="step", y="eval_loss", hue="label", marker="o", ax=ax_eval, errorbar=None,
+                         palette=palette, hue_order=[label for label in labels if label in set(evals["label"])])
         ax_eval.set(xlabel="step", ylabel="eval cross-entropy (nats / token)", title=f"Eval loss — {sweep}")
         if ax_eval.get_legend() is not None:
             ax_eval.legend(fontsize=8)
@@ -212,11 +217,10 @@ def smooth(values: pd.Series, window: int | None = None) -> pd.Series:
     return values.rolling(window, center=True, min_periods=1).mean()
 
 
-def _smoothed_lines(ax: plt.Axes, rows: pd.DataFrame, y: str) -> None:
+def _smoothed_lines(ax: plt.Axes, rows: pd.DataFrame, y: str, palette: dict[str, object]) -> None:
     """One colour per label: the raw curve faint, its rolling mean solid (noisy curves hide each other)."""
-    colours = sns.color_palette(n_colors=max(rows["label"].nunique(), 1))
-    for colour, (label, run) in zip(colours, rows.groupby("label", sort=True)):
-        run = run.sort_values("step")
+    for label, run in rows.groupby("label", sort=True):
+        colour, run = palette[label], run.sort_values("step")
         ax.plot(run["step"], run[y], color=colour, alpha=0.25, linewidth=0.8)
         ax.plot(run["step"], smooth(run[y].reset_index(drop=True)).to_numpy(), color=colour, linewidth=1.6,
                 label=label)
