@@ -1,11 +1,20 @@
-"""Trace-time argument checks shared by the ops: errors name the argument and what was expected."""
+"""Trace-time argument checks shared by the ops: errors name the argument and what was expected.
+
+Integer operands reach the kernels as int32. A wider dtype (int64 under x64, uint32, uint64, or a
+NumPy int64 array, which JAX would otherwise truncate to int32) is narrowed by value, never by
+wrapping: an expert id or row index out of range stays out of range (2**32 + 1 must not become 1),
+and a group size saturates at the int32 maximum.
+"""
 from __future__ import annotations
+
+import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def float_dtype(name: str, dtype) -> jnp.dtype:
@@ -21,9 +30,42 @@ def check_rank(name: str, x, rank: int, layout: str) -> None:
 
 
 def check_integer(name: str, x) -> None:
-    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-        raise TypeError(f"{name} must be an integer array (int32), got dtype {jnp.result_type(x)}")
+    if not jnp.issubdtype(_dtype(x), jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got dtype {_dtype(x)}")
+
+
+def static_int(name: str, value, *, minimum: int = 1, maximum: int = INT32_MAX) -> int:
+    """A static (Python) integer argument in [minimum, maximum]; bools and floats are TypeErrors."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a Python int (static), got {type(value).__name__} {value!r}")
+    if not minimum <= int(value) <= maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+    return int(value)
+
+
+def _dtype(x) -> np.dtype:
+    # The array's own dtype: jnp.result_type would report a NumPy int64 as int32 without x64.
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _narrow(x, fix):
+    """x as an int32 jax array; dtypes wider than int32 go through ``fix(xp, x)`` in their own dtype."""
+    dtype = _dtype(x)
+    if dtype.itemsize < 4 or dtype == np.int32:  # every value fits: a plain cast is exact
+        return jnp.asarray(x).astype(np.int32)
+    if isinstance(x, jax.Array):
+        return fix(jnp, x)
+    return jnp.asarray(fix(np, np.asarray(x)))  # before JAX sees it: without x64 it would wrap
 
 
 def as_int32(x) -> jax.Array:
-    return jnp.asarray(x).astype(np.int32)
+    """Group sizes as int32, saturating: negative stays <= 0 (counts as 0), huge becomes INT32_MAX."""
+    return _narrow(x, lambda xp, v: xp.clip(v, 0, INT32_MAX).astype(np.int32))
+
+
+def index_as_int32(x, bound: int) -> jax.Array:
+    """Ids / row indices as int32: values in [0, bound) kept, any other value becomes -1 (none/dropped)."""
+    def fix(xp, v):
+        inside = (v >= 0) & (v < bound)  # compared in v's own dtype: no wrap
+        return xp.where(inside, xp.where(inside, v, 0).astype(np.int32), -1).astype(np.int32)
+    return _narrow(x, fix)

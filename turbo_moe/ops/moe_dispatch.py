@@ -62,14 +62,17 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
     if x.shape[0] != T or weights.shape != (T, k):
         raise ValueError(f"x (T, H), expert_ids (T, k) and weights (T, k) disagree: {x.shape}, "
                          f"{expert_ids.shape}, {weights.shape}")
+    num_experts = _checks.static_int("num_experts", num_experts)
     P = jax.lax.axis_size(axis_name)
     if num_experts % P:
         raise ValueError(f"num_experts={num_experts} must be divisible by the size {P} of mesh axis {axis_name!r}")
+    if capacity is not None:
+        _checks.static_int("capacity", capacity)
     C = T if capacity is None else int(capacity)
     if not 0 < C <= T:
         raise ValueError(f"capacity must be in [1, T={T}] slots per destination rank, got {capacity}")
     send_x, send_ids, send_w, counts, overflow, slot = _dispatch_pack(
-        x, _checks.as_int32(expert_ids), weights.astype(jnp.float32), P, num_experts // P, C)
+        x, _checks.index_as_int32(expert_ids, num_experts), weights.astype(jnp.float32), P, num_experts // P, C)
     exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0)
     recv_x, recv_ids, recv_w = exchange(send_x), exchange(send_ids), exchange(send_w)  # (P, C, ...)
     handle = DispatchHandle(slot, counts, overflow)

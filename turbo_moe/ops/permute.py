@@ -27,6 +27,7 @@ def permute(x, expert_ids, num_experts: int):
       x: (T, H) tokens, bfloat16/float16/float32.
       expert_ids: int32 (T, k) expert of each copy. An id outside [0, num_experts) drops that copy
         (useful for capacity limits or masking): it gets no row and contributes zero on unpermute.
+        Wider integer dtypes are accepted; their out-of-range ids are dropped too, never wrapped.
       num_experts: E, static.
     Returns:
       x_sorted (T*k, H): copies stably sorted by expert (token order within an expert); rows past
@@ -41,9 +42,8 @@ def permute(x, expert_ids, num_experts: int):
     _checks.float_dtype("x", x.dtype)
     if expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"expert_ids (T, k) must have T={x.shape[0]} rows like x (T, H), got {expert_ids.shape}")
-    if not isinstance(num_experts, int) or num_experts <= 0:
-        raise ValueError(f"num_experts must be a positive Python int (static), got {num_experts!r}")
-    x_sorted, group_sizes, row_index = _permute(x, _checks.as_int32(expert_ids), num_experts)
+    num_experts = _checks.static_int("num_experts", num_experts)
+    x_sorted, group_sizes, row_index = _permute(x, _checks.index_as_int32(expert_ids, num_experts), num_experts)
     return x_sorted, group_sizes, PermuteHandle(row_index)
 
 

@@ -24,6 +24,8 @@ def unpermute(y_sorted, handle: PermuteHandle, weights):
     if not isinstance(handle, PermuteHandle):
         raise TypeError(f"handle must be the PermuteHandle returned by permute, got {type(handle).__name__}")
     row_index = handle.row_index
+    _checks.check_rank("handle.row_index", row_index, 2, "(T, k)")
+    _checks.check_integer("handle.row_index", row_index)
     _checks.check_rank("y_sorted", y_sorted, 2, "(T*k, H)")
     _checks.check_rank("weights", weights, 2, "(T, k)")
     _checks.float_dtype("y_sorted", y_sorted.dtype)
@@ -31,6 +33,8 @@ def unpermute(y_sorted, handle: PermuteHandle, weights):
         raise TypeError(f"weights must be a float array (T, k), got dtype {weights.dtype}")
     if weights.shape != row_index.shape:
         raise ValueError(f"weights must have shape (T, k) = {row_index.shape} like the handle, got {weights.shape}")
+    # Entries outside [0, R) contribute nothing; in a wider dtype they must not wrap into range.
+    row_index = _checks.index_as_int32(row_index, y_sorted.shape[0])
     return _unpermute(y_sorted, row_index, weights.astype(jnp.float32))
 
 
