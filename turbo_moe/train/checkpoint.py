@@ -79,12 +79,15 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, keep: int = 2):
         self.directory = Path(directory).expanduser().resolve()
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=False),  # see the module doc
-            item_names=("state", "record"),
-        )
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                     enable_async_checkpointing=False),  # see the module doc
+                item_names=("state", "record"),
+            )
+        except Exception as exc:  # e.g. no permission to create it: name the folder and the reason
+            raise CheckpointError(f"cannot open the checkpoint folder {self.directory}: {_reason(exc)}") from exc
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
