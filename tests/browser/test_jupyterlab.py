@@ -173,6 +173,9 @@ def test_02_train_in_jupyterlab(lab, browser):
     _wait(browser, _PANEL + "return !!(nb && nb.content && nb.content.model && nb.sessionContext"
                    " && nb.sessionContext.session && nb.sessionContext.session.kernel"
                    " && nb.sessionContext.session.kernel.status === 'idle');", 120, "the notebook and its kernel")
+    time.sleep(1)
+    # Opening alone must not modify the notebook (its language_info matches what the kernel reports).
+    assert browser.execute_script(_PANEL + "return nb.context.model.dirty;") is False
     text = _run_all(browser, TINY)
     # Phases as they happened, the final status and the one-line summary, the human table, a figure.
     assert "train dense_cf: finished 3/3 steps" in text, text[-3000:]

@@ -19,7 +19,7 @@ def test_exact_widths_run_when_they_fit():
 
 def test_cpu_sized_memory_gets_a_labelled_shrunk_slice():
     plan = full_deepseek.plan_slice(**PLAN, memory_bytes=21.9 * GIB, max_step_tflop=0.25)
-    assert not plan.exact and plan.shrink in full_deepseek.SHRINKS
+    assert not plan.exact and plan.shrink in full_deepseek.SHRINKS and plan.seq_len == 4096
     assert plan.label.startswith("SHRUNK slice") and plan.overrides["d_model"] == 7168 // plan.shrink
     # The exact widths' need is shown: more than the device has, for the fewest and the 256 experts.
     need = plan.exact_need["GiB needed (largest path)"]
@@ -27,6 +27,12 @@ def test_cpu_sized_memory_gets_a_labelled_shrunk_slice():
     assert "do not fit this device" in plan.notes[0]
     # Without a step budget the shrink is smaller (memory alone decides).
     assert full_deepseek.plan_slice(**PLAN, memory_bytes=21.9 * GIB).shrink < plan.shrink
+    # A CPU's budget also shortens the sequence, and says so.
+    cpu = full_deepseek.plan_slice(**PLAN, memory_bytes=21.9 * GIB,
+                                   max_step_tflop=full_deepseek.default_max_step_tflop("cpu"))
+    assert cpu.shrink == 64 and 64 <= cpu.seq_len < 4096 and cpu.overrides["max_seq_len"] == cpu.seq_len
+    assert f"sequence {cpu.seq_len} of 4096" in cpu.label
+    assert full_deepseek.default_max_step_tflop("gpu") is None
 
 
 def test_user_overrides_are_kept_or_named_when_they_cannot_fit():

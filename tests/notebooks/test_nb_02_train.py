@@ -27,6 +27,10 @@ def test_tiny_run_writes_record_and_passes_nbval(tmp_path, kernel):
     assert "train dense_cf: finished 3/3 steps" in text and "compiling the train step" in text
     assert "train dense_cf: ok | 3 steps in" in text and "peak memory" in text
     assert "TGS (tokens/device/s)" in text and "1433915392" not in text
+    from nbconvert import HTMLExporter
+
+    html, _ = HTMLExporter().from_filename(str(executed))  # what an HTML export shows: the final state
+    assert "train dense_cf: finished 3/3 steps" in html and "0/3 [" not in html
     checked = nbval(executed)  # re-runs the notebook; the parameter/description cell must match
     assert checked.returncode == 0, checked.stdout[-3000:]
 

@@ -27,7 +27,10 @@ SHRINKS = (2, 4, 8, 16, 32, 64)
 # Widths divided by the shrink factor (floors keep a valid config); head dims stay exact.
 _WIDTHS = {"d_model": 64, "n_heads": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "dense_ffn_dim": 64,
            "moe_ffn_dim": 16, "vocab_size": 512}
-SHRUNK_MAX_STEP_TFLOP = 0.25  # a shrunk slice is a smoke run of the paths: keep its steps seconds long
+# A shrunk slice is a smoke run of the paths: on a CPU its steps should take seconds (measured: a 2-core
+# CPU runs these steps at a few GFLOP/s, and attention at long sequences dominates).
+SHRUNK_MAX_STEP_TFLOP = 0.01
+MIN_SEQ_LEN = 64
 INTERACTIVE_RESULTS = Path("experiments") / "runs" / "full_deepseek"
 
 
@@ -36,6 +39,7 @@ class SlicePlan:
     """What Part 2 trains: ``overrides`` of ``deepseek_v3_671b``, and how it relates to the real model."""
 
     overrides: dict[str, Any]
+    seq_len: int  # the sequence length the runs use (shorter than asked only in a shrunk slice)
     shrink: int  # 1: every width exact
     label: str  # one line for titles and tables
     memory_bytes: float
@@ -77,7 +81,7 @@ def plan_slice(
     user has chosen the widths: they are used as given (ValueError if nothing fits). Otherwise, when the
     exact widths do not fit, widths shrink by the smallest power of two that fits ``memory_bytes`` and
     ``max_step_tflop`` (training TFLOP per step; None: no limit)."""
-    from turbo_moe.model import flops_per_token, get_config
+    from turbo_moe.model import get_config
 
     for name, value in (("n_layers", n_layers), ("per_device_batch", per_device_batch), ("seq_len", seq_len)):
         _positive_int(name, value)
@@ -108,37 +112,70 @@ def plan_slice(
             raise ValueError(f"parameter model_overrides: with these overrides no expert count fits {have} "
                              f"(n_layers={n_layers}, per_device_batch={per_device_batch}, seq_len={seq_len})")
         overrides = {**base, **dict(model_overrides), "n_experts": experts}
-        return SlicePlan(overrides, 1, f"{PRESET} slice with your model_overrides, {n_layers} layers, "
+        return SlicePlan(overrides, seq_len, 1, f"{PRESET} slice with your model_overrides, {n_layers} layers, "
                          f"{experts} experts", memory_bytes, memory_source, exact_need,
                          ["model_overrides given: the widths are yours, not DeepSeek-V3's"])
 
     experts = fit(exact_cfg)
     if experts:
         label = f"exact widths, {n_layers} of 61 layers, {experts} of 256 routed experts"
-        return SlicePlan({**base, "n_experts": experts}, 1, label, memory_bytes, memory_source, exact_need, [])
+        return SlicePlan({**base, "n_experts": experts}, seq_len, 1, label, memory_bytes, memory_source, exact_need,
+                         [])
 
     notes = [f"the exact widths do not fit this device: {have}; even {fewest} experts need "
              f"{exact_need['GiB needed (largest path)'].min():.1f} GiB (table above)"]
+    plan_args = (memory_bytes, memory_source, exact_need, notes)
+    fits_memory = False
     for shrink in SHRINKS:
-        widths = {k: max(int(getattr(exact_cfg, k)) // shrink, floor) for k, floor in _WIDTHS.items()}
-        cfg = get_config(PRESET, **base, **widths)
-        # A shrunk slice checks the paths, it does not measure the architecture: the fewest experts.
-        experts = n_experts or _fewest_experts(cfg)
-        trial = cfg.replace(n_experts=experts)
-        if _need_gib(trial, per_device_batch, seq_len) * GIB > 0.8 * memory_bytes:
+        widths, experts = _widths_and_experts(exact_cfg, base, shrink, n_experts)
+        cfg = get_config(PRESET, **base, **widths, n_experts=experts)
+        if _need_gib(cfg, per_device_batch, seq_len) * GIB > 0.8 * memory_bytes:
             continue
-        step_tflop = flops_per_token(trial, seq_len) * per_device_batch * seq_len / 1e12
-        if max_step_tflop is not None and step_tflop > max_step_tflop:
-            continue
-        label = (f"SHRUNK slice (not DeepSeek-V3's widths): every width / {shrink}, {n_layers} layers, "
-                 f"{experts} experts")
-        notes.append(f"running {label}: " + ", ".join(f"{k} {v}" for k, v in widths.items())
-                     + f"; about {step_tflop:.3f} training TFLOP per step")
-        return SlicePlan({**base, **widths, "n_experts": experts}, shrink, label, memory_bytes, memory_source,
-                         exact_need, notes)
-    raise ValueError(
-        f"parameter seq_len: even widths / {SHRINKS[-1]} do not fit {have} with per_device_batch="
-        f"{per_device_batch}, seq_len={seq_len}; lower seq_len or set model_overrides")
+        fits_memory = True
+        if max_step_tflop is None or _step_tflop(cfg, per_device_batch, seq_len) <= max_step_tflop:
+            return _shrunk(base, widths, experts, shrink, seq_len, seq_len, per_device_batch, plan_args)
+    if not fits_memory:
+        raise ValueError(
+            f"parameter seq_len: even widths / {SHRINKS[-1]} do not fit {have} with per_device_batch="
+            f"{per_device_batch}, seq_len={seq_len}; lower seq_len or set model_overrides")
+    # The widest shrink still exceeds the step budget: attention at this length dominates; halve the sequence.
+    shrink, run_seq = SHRINKS[-1], seq_len
+    widths, experts = _widths_and_experts(exact_cfg, base, shrink, n_experts)
+    while run_seq > MIN_SEQ_LEN and _step_tflop(get_config(PRESET, **{**base, **widths, "n_experts": experts,
+                                                                       "max_seq_len": run_seq}),
+                                                per_device_batch, run_seq) > max_step_tflop:
+        run_seq //= 2
+    return _shrunk({**base, "max_seq_len": run_seq}, widths, experts, shrink, run_seq, seq_len, per_device_batch,
+                   plan_args)
+
+
+def _widths_and_experts(exact_cfg, base, shrink, n_experts) -> tuple[dict[str, int], int]:
+    """Widths / ``shrink`` and the experts of a shrunk slice: a shrunk slice checks the paths, it does not
+    measure the architecture, so it takes the fewest valid experts unless the user named a count."""
+    from turbo_moe.model import get_config
+
+    widths = {k: max(int(getattr(exact_cfg, k)) // shrink, floor) for k, floor in _WIDTHS.items()}
+    return widths, n_experts or _fewest_experts(get_config(PRESET, **base, **widths))
+
+
+def _step_tflop(cfg, per_device_batch: int, seq_len: int) -> float:
+    from turbo_moe.model import flops_per_token
+
+    return flops_per_token(cfg, seq_len) * per_device_batch * seq_len / 1e12
+
+
+def _shrunk(base, widths, experts, shrink, run_seq, asked_seq, per_device_batch, plan_args) -> SlicePlan:
+    from turbo_moe.model import get_config
+
+    memory_bytes, memory_source, exact_need, notes = plan_args
+    cfg = get_config(PRESET, **{**base, **widths, "n_experts": experts})
+    seq_text = f", sequence {run_seq} of {asked_seq}" if run_seq != asked_seq else ""
+    label = (f"SHRUNK slice (not DeepSeek-V3's widths): every width / {shrink}{seq_text}, {base['n_layers']} "
+             f"layers, {experts} experts")
+    notes = notes + [f"running {label}: " + ", ".join(f"{k} {v}" for k, v in widths.items())
+                     + f"; about {_step_tflop(cfg, per_device_batch, run_seq):.4f} training TFLOP per step"]
+    return SlicePlan({**base, **widths, "n_experts": experts}, run_seq, shrink, label, memory_bytes, memory_source,
+                     exact_need, notes)
 
 
 def default_max_step_tflop(platform: str) -> float | None:
@@ -152,15 +189,16 @@ def results_location(results_dir: str | Path | None, repo_root: str | Path) -> P
 
 
 def run_paths(
-    plan: SlicePlan, paths: Sequence[str], *, per_device_batch: int, seq_len: int, steps: int, dataset: str,
+    plan: SlicePlan, paths: Sequence[str], *, per_device_batch: int, steps: int, dataset: str,
     capacity_factor: float, train_overrides: Mapping[str, Any], results_dir: str | Path, table: str,
 ) -> list[dict[str, Any]]:
     """Train ``plan`` once per path; each run becomes a row of ``<results_dir>/<table>.csv`` plus a record.
-    Returns one dict per path (status, TGS, measured and predicted bytes, error)."""
+    Returns one dict per path (status, TGS, measured and predicted bytes, error). The sequence length is the
+    plan's (a shrunk slice may run a shorter one than asked)."""
     from turbo_moe.experiments import notebook as nb
     from turbo_moe.train import run
 
-    rows = []
+    rows, seq_len = [], plan.seq_len
     for path in paths:
         tc = nb.train_config(model=PRESET, model_overrides=plan.overrides, moe_path=path,
                              capacity_factor=capacity_factor, per_device_batch=per_device_batch, steps=steps,
