@@ -34,23 +34,28 @@ DEFAULT_RUNS = ["reduced:scan", "reduced:unrolled", "full_4:scan", "full_16:scan
                 "full_4:unrolled", "full_16:unrolled"]
 
 
-def compile_case(case: str, mode: str, moe_path: str) -> dict:
+def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bool, overrides: dict) -> dict:
     """Runs in the child: compile init and train step of one case cold, return the timings."""
     import jax
+    import jax.numpy as jnp
 
     jax.config.update("jax_enable_compilation_cache", False)
+    t0 = time.perf_counter()
+    if warmup:  # the process's one-time costs (backend start, first compile), measured apart
+        jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
+    t_warmup = time.perf_counter() - t0
     from turbo_moe.model import get_config
     from turbo_moe.train import TrainConfig
     from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
 
-    preset, overrides, batch, seq = CASES[case]
-    cfg = get_config(preset, **overrides, moe_path=moe_path, scan_layers=(mode == "scan"))
+    preset, preset_overrides, batch, seq = CASES[case]
+    cfg = get_config(preset, **{**preset_overrides, **overrides}, moe_path=moe_path, scan_layers=(mode == "scan"))
     tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq))
     mesh = make_mesh(jax.devices()[:1])
     t0 = time.perf_counter()
     program = build_program(cfg, tx, mesh)
     t_build = time.perf_counter() - t0
-    key = jax.random.key(0)
+    key = jax.random.key(0, impl=init_impl)
     t0 = time.perf_counter()
     init = program.init.lower(key).compile()
     t_init = time.perf_counter() - t0
@@ -61,15 +66,18 @@ def compile_case(case: str, mode: str, moe_path: str) -> dict:
     train = program.train.lower(abstract_state, abstract_batch(batch, seq, mesh)).compile()
     t_train = time.perf_counter() - t0
     mem = train.memory_analysis()
-    return {"case": case, "mode": mode, "moe_path": moe_path, "n_layers": cfg.n_layers,
+    return {"case": case, "mode": mode, "moe_path": moe_path, "init_impl": init_impl, "overrides": overrides,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "warmup_s": round(t_warmup, 2), "n_layers": cfg.n_layers,
             "d_model": cfg.d_model, "n_experts": cfg.n_experts, "per_device_batch": batch, "seq_len": seq,
             "build_s": round(t_build, 2), "init_compile_s": round(t_init, 2),
             "train_compile_s": round(t_train, 2), "total_s": round(t_build + t_init + t_train, 2),
             "train_temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 2) if mem else None}
 
 
-def run_child(case: str, mode: str, moe_path: str, timeout_s: float) -> dict:
-    cmd = [sys.executable, __file__, "--child", f"{case}:{mode}", "--moe-path", moe_path]
+def run_child(case: str, mode: str, args) -> dict:
+    moe_path, timeout_s = args.moe_path, args.timeout_s
+    cmd = [sys.executable, __file__, "--child", f"{case}:{mode}", "--moe-path", moe_path,
+           "--init-impl", args.init_impl, "--overrides", args.overrides] + (["--warmup"] if args.warmup else [])
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": ""}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
@@ -88,11 +96,16 @@ def main() -> None:
     ap.add_argument("--moe-path", default="turbo")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per case; a timeout is a result row")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    ap.add_argument("--init-impl", default="threefry2x32", help="PRNG of the init key (threefry2x32|rbg)")
+    ap.add_argument("--warmup", action="store_true", help="compile a trivial program first, timed apart")
+    ap.add_argument("--overrides", default="{}", help="ModelConfig overrides as JSON, e.g. '{\"mtp_depth\": 0}'")
+    ap.add_argument("--tag", default="", help="suffix of the CSV name (variants of one device)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         case, mode = args.child.split(":")
-        print(json.dumps(compile_case(case, mode, args.moe_path)), flush=True)
+        print(json.dumps(compile_case(case, mode, args.moe_path, args.init_impl, args.warmup,
+                                      json.loads(args.overrides))), flush=True)
         return
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -102,13 +115,13 @@ def main() -> None:
     device = prov["device_kind"].lower().replace(" ", "_")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = out / f"compile_time_{device}.csv"
+    table = out / f"compile_time_{device}{args.tag}.csv"
     rows = []
     for run in args.runs.split(","):
         case, mode = run.split(":")
         if case not in CASES or mode not in ("scan", "unrolled"):
             raise SystemExit(f"--runs: {run!r} is not case:mode with case in {sorted(CASES)}, mode scan|unrolled")
-        row = {**run_child(case, mode, args.moe_path, args.timeout_s), **prov}
+        row = {**run_child(case, mode, args), **prov}
         rows.append(row)
         print(json.dumps(row), flush=True)
         fields = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k))

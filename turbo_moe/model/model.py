@@ -86,24 +86,27 @@ class DeepSeekModel(nnx.Module):
             raise ValueError(f"inputs: sequence length {s} > ModelConfig.max_seq_len={cfg.max_seq_len}")
         cos, sin = rope_tables(s, cfg.qk_rope_head_dim, cfg.rope_theta)  # (S, R/2) each
 
-        h = self.embed(inputs)  # (B, S, D)
+        with jax.named_scope("embedding"):
+            h = self.embed(inputs)  # (B, S, D)
         stats = []  # per-layer LayerStats in router order: main MoE layers, then MTP blocks
         for stack in (self.dense_layers, self.moe_layers):
             if stack is not None:
                 h, layer_stats = stack(h, cos, sin)
                 if layer_stats is not None:
                     stats.append(layer_stats)
-        logits = self.logits(self.final_norm(h))
+        with jax.named_scope("lm_head"):
+            logits = self.logits(self.final_norm(h))
 
         stream = inputs if targets is None else jnp.concatenate([inputs, targets[:, -1:]], axis=1)
         mtp_logits = []
-        for depth, module in enumerate(self.mtp, start=1):
-            ahead = _shift_left(stream, depth)[:, :s]  # (B, S): token i+depth (0 past the end)
-            merged = jnp.concatenate([module.hidden_norm(h), module.embed_norm(self.embed(ahead))], axis=-1)
-            h, layer_stats = apply_block(cfg, module.block, module.proj(merged), cos, sin)
-            if layer_stats is not None:
-                stats.append(layer_stats)
-            mtp_logits.append(self.logits(module.final_norm(h)))
+        with jax.named_scope("mtp"):
+            for depth, module in enumerate(self.mtp, start=1):
+                ahead = _shift_left(stream, depth)[:, :s]  # (B, S): token i+depth (0 past the end)
+                merged = jnp.concatenate([module.hidden_norm(h), module.embed_norm(self.embed(ahead))], axis=-1)
+                h, layer_stats = apply_block(cfg, module.block, module.proj(merged), cos, sin)
+                if layer_stats is not None:
+                    stats.append(layer_stats)
+                mtp_logits.append(self.logits(module.final_norm(h)))
         per_layer = concat_stats(stats, cfg.n_experts)
         n_rows = per_layer.expert_load.shape[0]
         zero = jnp.zeros((), jnp.float32)
@@ -152,7 +155,8 @@ def lm_loss(model: DeepSeekModel, batch: dict) -> tuple[jax.Array, dict]:
         raise ValueError(f"batch['targets'] shape {targets.shape} != batch['inputs'] shape {inputs.shape}")
     mask = batch.get("mask", jnp.ones(targets.shape, jnp.float32))
     out = model(inputs, targets)
-    ce = cross_entropy(out.logits, targets, mask)
+    with jax.named_scope("loss"):
+        ce = cross_entropy(out.logits, targets, mask)
 
     mtp_terms = []
     for depth, logits in enumerate(out.mtp_logits, start=1):

@@ -46,13 +46,18 @@ class MoELayer(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, LayerStats]:
         """x (B, S, D) -> (y (B, S, D), per-layer stats)."""
-        routing = self.router(x)
+        # Named scopes label the compiled ops for profiles (benchmarks/step_breakdown.py).
+        with jax.named_scope("router"):
+            routing = self.router(x)
         path = moe_path_fn(self.cfg.moe_path, self.cfg.capacity_factor)
         if expert_axis_size() > 1:  # traced under a mesh with an "expert" axis: routed experts split over it
             path = ep_moe_path(self.cfg.moe_path, capacity_factor=self.cfg.capacity_factor,
                                ep_exchange=self.cfg.ep_exchange, ep_capacity_factor=self.cfg.ep_capacity_factor)
-        y, stats = path(x, routing, self.experts.weights())
+        with jax.named_scope("routed_experts"):
+            y, stats = path(x, routing, self.experts.weights())
         if self.shared is not None:
-            y = y + self.shared(x)
-        balance = sequence_balance_loss(routing.scores, routing.expert_ids, self.cfg.n_experts)
+            with jax.named_scope("shared_expert"):
+                y = y + self.shared(x)
+        with jax.named_scope("router"):
+            balance = sequence_balance_loss(routing.scores, routing.expert_ids, self.cfg.n_experts)
         return y, LayerStats(stats.expert_load, stats.dropped_fraction, balance)

@@ -24,9 +24,15 @@ def turbo_experts(x: jax.Array, routing: Routing, weights: ExpertWeights) -> tup
     tokens = x.reshape(b * s, d)  # (T, D)
     expert_ids = routing.expert_ids.reshape(b * s, k)  # (T, k)
 
-    x_sorted, group_sizes, handle = ops.permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,)
-    h = ops.grouped_gemm(x_sorted, w.w_gate_up, group_sizes)  # (T*k, 2F)
-    out_sorted = ops.grouped_gemm(swiglu_fused(h), w.w_down, group_sizes)  # (T*k, D)
-    y = ops.unpermute(out_sorted, handle, routing.weights.reshape(b * s, k).astype(jnp.float32))  # (T, D)
+    with jax.named_scope("permute"):
+        x_sorted, group_sizes, handle = ops.permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,)
+    with jax.named_scope("grouped_gemm"):
+        h = ops.grouped_gemm(x_sorted, w.w_gate_up, group_sizes)  # (T*k, 2F)
+    with jax.named_scope("swiglu"):
+        act = swiglu_fused(h)
+    with jax.named_scope("grouped_gemm"):
+        out_sorted = ops.grouped_gemm(act, w.w_down, group_sizes)  # (T*k, D)
+    with jax.named_scope("unpermute"):
+        y = ops.unpermute(out_sorted, handle, routing.weights.reshape(b * s, k).astype(jnp.float32))  # (T, D)
     stats = ExpertStats(group_sizes.astype(jnp.float32), jnp.zeros((), jnp.float32))
     return y.reshape(b, s, d), stats

@@ -38,11 +38,14 @@ class DecoderBlock(nnx.Module):
         self.ffn = MoELayer(cfg, rngs) if self.is_moe else SwiGLU(cfg, cfg.dense_ffn_dim, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, LayerStats | None]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, S, D)
+        with jax.named_scope("attention"):
+            x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, S, D)
         if self.is_moe:
-            y, stats = self.ffn(self.ffn_norm(x))
+            with jax.named_scope("moe"):
+                y, stats = self.ffn(self.ffn_norm(x))
             return x + y, stats
-        return x + self.ffn(self.ffn_norm(x)), None
+        with jax.named_scope("dense_ffn"):
+            return x + self.ffn(self.ffn_norm(x)), None
 
 
 def block_fn(cfg: ModelConfig, graphdef):

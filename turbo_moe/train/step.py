@@ -138,8 +138,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, bias_rate: float
         # DiffState restricts the gradient to nnx.Param (router biases are not trained by gradient).
         grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
         (_, metrics), grads = grad_fn(_merge(graphdef, state.params, state.extra), batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         # Aux-loss-free balancing: bias moves by sign(mean load - load) after the weight update.
         model = _merge(graphdef, params, state.extra)
         update_router_bias(model, jax.lax.stop_gradient(metrics["expert_load"]), bias_rate)
