@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_bias
+from turbo_moe.model.router import bias_rate_at
 from turbo_moe.model.sharding import state_shardings as model_state_shardings
 from turbo_moe.train.config import TrainConfig
 
@@ -130,7 +131,8 @@ def _merge(graphdef, params, extra) -> DeepSeekModel:
     return nnx.merge(graphdef, params, extra)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, bias_rate: float) -> Callable:
+def make_train_step(graphdef, tx: optax.GradientTransformation,
+                    bias_rate: float | Callable[[jax.Array], jax.Array]) -> Callable:
     """(state, batch) -> (state, metrics). batch: {"inputs","targets"} (B, S) int32, sharded on B."""
 
     def train_step(state: TrainState, batch: dict):
@@ -143,7 +145,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, bias_rate: float
             params = optax.apply_updates(state.params, updates)
         # Aux-loss-free balancing: bias moves by sign(mean load - load) after the weight update.
         model = _merge(graphdef, params, state.extra)
-        update_router_bias(model, jax.lax.stop_gradient(metrics["expert_load"]), bias_rate)
+        rate = bias_rate(state.step) if callable(bias_rate) else bias_rate  # the schedule of router.bias_rate_at
+        update_router_bias(model, jax.lax.stop_gradient(metrics["expert_load"]), rate)
         _, _, extra = nnx.split(model, nnx.Param, ...)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, extra, opt_state), metrics
@@ -185,7 +188,8 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
     init = jax.jit(create, out_shardings=state_sharding)
-    train = jax.jit(_in_mesh(make_train_step(graphdef, tx, model_cfg.router_bias_rate), mesh),
+    bias_rate = functools.partial(bias_rate_at, model_cfg)
+    train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate), mesh),
                     in_shardings=(state_sharding, data_sharding),
                     out_shardings=(state_sharding, replicated(mesh)), donate_argnums=0)
     evaluate = jax.jit(_in_mesh(make_eval_step(graphdef), mesh), in_shardings=(state_sharding, data_sharding),
