@@ -203,7 +203,7 @@ def run_paths(
         tc = nb.train_config(model=PRESET, model_overrides=plan.overrides, moe_path=path,
                              capacity_factor=capacity_factor, per_device_batch=per_device_batch, steps=steps,
                              seq_len=seq_len, dataset=dataset, warmup_steps=min(2, steps), eval_every=0,
-                             eval_batches=1, train_overrides=train_overrides)
+                             eval_batches=0, train_overrides=train_overrides)  # throughput only: no eval compile
         start = time.perf_counter()
         result = run(tc)
         params = {"moe_path": path, "capacity_factor": capacity_factor, "per_device_batch": per_device_batch,
