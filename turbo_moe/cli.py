@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"sweep": cmd_sweep, "report": cmd_report}[args.command](args)
-    except (ValueError, SweepBusy) as exc:  # bad spec/arguments, a busy table: one clear line, no traceback
+    # A bad spec or argument, a busy table, a full disk or unwritable folder: one clear line, no traceback.
+    except (ValueError, SweepBusy, OSError) as exc:
         print(f"turbo-moe {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

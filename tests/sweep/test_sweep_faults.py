@@ -307,3 +307,19 @@ def test_every_cut_of_a_real_table_keeps_only_intact_rows(tmp_path):
         at_line_end = text[cut - 1] == "\n"
         assert len(damaged) == (0 if at_line_end else 1), cut  # a cut inside a row is always reported
         assert n == text[:cut].count("\n") - 1, cut  # every complete row before the cut is kept
+
+
+def test_unwritable_table_is_one_line_from_the_cli(tmp_path, toy_notebook, test_kernel, monkeypatch, capsys):
+    """A full disk while writing the table (patched writer): the CLI says so in one line, rc 2."""
+    sweeps = tmp_path / "experiments" / "sweeps"
+    sweeps.mkdir(parents=True)
+    (sweeps / "toy.yaml").write_text(f"notebook: {toy_notebook}\nkernel: {test_kernel}\ngrid: {{x: [1]}}\n")
+    monkeypatch.setattr(runner, "execute_notebook", _ok_execute)
+
+    def disk_full(path, write):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(results, "write_atomic", disk_full)
+    assert cli.main(["sweep", str(sweeps / "toy.yaml"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "toy.csv" in err and len(err.strip().splitlines()) == 1

@@ -171,6 +171,7 @@ def scan_table(csv_path: str | Path) -> tuple[pd.DataFrame, list[DamagedRow]]:
                 point = fields[header.index("point")] if "point" in header and len(fields) > header.index("point") \
                     else None
                 damaged.append(DamagedRow(csv_path, start, reason, point or None, raw))
+        # Only empty cells are missing: the status "nan" and the text "None" must survive a round trip.
         table = pd.read_csv(io.StringIO("".join(sound)), keep_default_na=False, na_values=[""])
     except (csv.Error, pd.errors.ParserError, ValueError) as exc:
         raise ValueError(f"results table {csv_path}: cannot parse it ({exc})") from None
@@ -197,7 +198,6 @@ def read_table(csv_path: str | Path) -> pd.DataFrame:
 
     Damaged rows are left out with a warning naming the file and line (see ``scan_table``).
     """
-    # Only empty cells are missing: the status "nan" and the text "None" must survive a round trip.
     table, damaged = scan_table(csv_path)
     for row in damaged:
         warnings.warn(str(row), DamagedTableWarning, stacklevel=2)
