@@ -34,7 +34,8 @@ DEFAULT_RUNS = ["reduced:scan", "reduced:unrolled", "full_4:scan", "full_16:scan
                 "full_4:unrolled", "full_16:unrolled"]
 
 
-def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bool, overrides: dict) -> dict:
+def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bool, overrides: dict,
+                 autotune: int | None) -> dict:
     """Runs in the child: compile init and train step of one case cold, return the timings."""
     import jax
     import jax.numpy as jnp
@@ -53,7 +54,7 @@ def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bo
     tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq))
     mesh = make_mesh(jax.devices()[:1])
     t0 = time.perf_counter()
-    program = build_program(cfg, tx, mesh)
+    program = build_program(cfg, tx, mesh, True, autotune)
     t_build = time.perf_counter() - t0
     key = jax.random.key(0, impl=init_impl)
     t0 = time.perf_counter()
@@ -67,7 +68,7 @@ def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bo
     t_train = time.perf_counter() - t0
     mem = train.memory_analysis()
     return {"case": case, "mode": mode, "moe_path": moe_path, "init_impl": init_impl, "overrides": overrides,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "warmup_s": round(t_warmup, 2), "n_layers": cfg.n_layers,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "gpu_autotune_level": autotune, "warmup_s": round(t_warmup, 2), "n_layers": cfg.n_layers,
             "d_model": cfg.d_model, "n_experts": cfg.n_experts, "per_device_batch": batch, "seq_len": seq,
             "build_s": round(t_build, 2), "init_compile_s": round(t_init, 2),
             "train_compile_s": round(t_train, 2), "total_s": round(t_build + t_init + t_train, 2),
@@ -77,7 +78,7 @@ def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bo
 def run_child(case: str, mode: str, args) -> dict:
     moe_path, timeout_s = args.moe_path, args.timeout_s
     cmd = [sys.executable, __file__, "--child", f"{case}:{mode}", "--moe-path", moe_path,
-           "--init-impl", args.init_impl, "--overrides", args.overrides] + (["--warmup"] if args.warmup else [])
+           "--init-impl", args.init_impl, "--overrides", args.overrides, "--autotune-level", args.autotune_level] + (["--warmup"] if args.warmup else [])
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": ""}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
@@ -99,13 +100,16 @@ def main() -> None:
     ap.add_argument("--init-impl", default="threefry2x32", help="PRNG of the init key (threefry2x32|rbg)")
     ap.add_argument("--warmup", action="store_true", help="compile a trivial program first, timed apart")
     ap.add_argument("--overrides", default="{}", help="ModelConfig overrides as JSON, e.g. '{\"mtp_depth\": 0}'")
+    ap.add_argument("--autotune-level", default="0", help="TrainConfig.xla_gpu_autotune_level (0-4, or xla)")
     ap.add_argument("--tag", default="", help="suffix of the CSV name (variants of one device)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         case, mode = args.child.split(":")
         print(json.dumps(compile_case(case, mode, args.moe_path, args.init_impl, args.warmup,
-                                      json.loads(args.overrides))), flush=True)
+                                      json.loads(args.overrides),
+                                      None if args.autotune_level == "xla" else int(args.autotune_level))),
+              flush=True)
         return
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -33,6 +33,9 @@ class TrainConfig:
     # ZeRO-3 / FSDP: shard every training state over the devices (turbo_moe.model.sharding); False
     # replicates the non-expert states over all devices and the expert states over "data".
     fsdp: bool = True
+    # XLA's GPU GEMM autotuning at compile time (0-4; None: XLA's default, 4). 0 uses its heuristics:
+    # on `reduced` the same TGS and a 13 s shorter compile (experiments/NOTES.md, issue 12).
+    xla_gpu_autotune_level: int | None = 0
     seq_len: int | None = None
     steps: int = 50
     learning_rate: float = 3e-3
@@ -125,6 +128,9 @@ def _validate(c: TrainConfig) -> None:
     for name in _NON_NEGATIVE_INTS:
         value = getattr(c, name)
         _require(_is_int(value) and value >= 0, name, f"must be a non-negative int, got {value!r}")
+    _require(c.xla_gpu_autotune_level is None or (_is_int(c.xla_gpu_autotune_level)
+             and 0 <= c.xla_gpu_autotune_level <= 4), "xla_gpu_autotune_level",
+             f"must be None or an int in 0..4, got {c.xla_gpu_autotune_level!r}")
     _require(c.seq_len is None or (_is_int(c.seq_len) and c.seq_len > 0), "seq_len",
              f"must be a positive int or None, got {c.seq_len!r}")
     _require(c.lr_schedule_steps is None or (_is_int(c.lr_schedule_steps) and c.lr_schedule_steps >= c.steps),

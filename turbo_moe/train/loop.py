@@ -89,7 +89,7 @@ class _Trainer:
         tc, history = self.tc, self.result.history
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
-        program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp)
+        program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level)
         self._enter("initialisation")
         state = self._maybe_resume(jax.block_until_ready(program.init(jax.random.key(tc.seed))))
         eval_step = program.evaluate
