@@ -161,7 +161,8 @@ def lm_loss(model: DeepSeekModel, batch: dict) -> tuple[jax.Array, dict]:
     mtp_terms = []
     for depth, logits in enumerate(out.mtp_logits, start=1):
         mtp_mask = _shift_left(mask, depth)  # (B, S): 0 where token i+depth does not exist
-        mtp_terms.append(cross_entropy(logits, _shift_left(targets, depth), mtp_mask))
+        with jax.named_scope("mtp"):
+            mtp_terms.append(cross_entropy(logits, _shift_left(targets, depth), mtp_mask))
     mtp = jnp.mean(jnp.stack(mtp_terms)) if mtp_terms else jnp.zeros((), jnp.float32)
 
     loss = ce + cfg.mtp_loss_weight * mtp + cfg.balance_loss_weight * out.moe.balance_loss

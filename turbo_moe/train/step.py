@@ -146,9 +146,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
         # Aux-loss-free balancing: bias moves by sign(mean load - load) after the weight update.
         model = _merge(graphdef, params, state.extra)
         rate = bias_rate(state.step) if callable(bias_rate) else bias_rate  # the schedule of router.bias_rate_at
-        update_router_bias(model, jax.lax.stop_gradient(metrics["expert_load"]), rate)
+        with jax.named_scope("router"):
+            update_router_bias(model, jax.lax.stop_gradient(metrics["expert_load"]), rate)
         _, _, extra = nnx.split(model, nnx.Param, ...)
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
+        with jax.named_scope("optimizer"):
+            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, extra, opt_state), metrics
 
     return train_step
