@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from turbo_moe.model import get_config
-from turbo_moe.model.router import Router, route, sequence_balance_loss, updated_bias
+from turbo_moe.model.router import Router, bias_rate_at, route, sequence_balance_loss, updated_bias
 
 
 def numpy_route(scores, bias, top_k, n_groups, topk_groups, scale):
@@ -84,3 +84,32 @@ def test_bias_update_reduces_imbalance_on_skewed_router():
     end = float(load.max() / load.mean())
     assert start > 3.0
     assert end < 1.5, (start, end)
+
+
+def test_bias_rate_is_constant_by_default_and_follows_the_schedule_when_set():
+    cfg = get_config("tiny", router_bias_rate=1e-3)
+    assert cfg.router_bias_rate_start == 0.0 and cfg.router_bias_rate_decay_steps == 0
+    for step in (0, 7, 10_000):
+        np.testing.assert_allclose(bias_rate_at(cfg, step), 1e-3, rtol=1e-6)
+    cfg = get_config("tiny", router_bias_rate=1e-3, router_bias_rate_start=1e-2, router_bias_rate_decay_steps=100)
+    rates = np.asarray(jax.jit(lambda s: bias_rate_at(cfg, s))(jnp.arange(0, 301, dtype=jnp.int32)))
+    np.testing.assert_allclose(rates[0], 1e-2, rtol=1e-6)
+    np.testing.assert_allclose(rates[50], 5.5e-3, rtol=1e-5)  # half-cosine: halfway between at the midpoint
+    np.testing.assert_allclose(rates[100:], 1e-3, rtol=1e-6)
+    assert np.all(np.diff(rates) <= 1e-12)  # never increases
+
+
+def test_router_init_std_sets_the_gate_kernel_scale_only():
+    base = get_config("tiny", d_model=256, n_experts=64, n_groups=8, topk_groups=4, top_k=6, init_std=0.006)
+    assert base.router_std == 0.006
+    wide = base.replace(router_init_std=256 ** -0.5)
+    for cfg, std in ((base, 0.006), (wide, 256 ** -0.5)):
+        kernel = np.asarray(Router(cfg, nnx.Rngs(0)).kernel[...])
+        assert abs(kernel.std() / std - 1) < 0.03, (kernel.std(), std)
+
+
+@pytest.mark.parametrize("field, value", [("router_init_std", 0.0), ("router_init_std", -1.0),
+                                          ("router_bias_rate_start", -1e-3), ("router_bias_rate_decay_steps", -1)])
+def test_router_recipe_fields_are_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        get_config("tiny", **{field: value})

@@ -96,6 +96,13 @@ class ModelConfig:
     # stream at init, the tokens of a sequence look alike and the router collapses onto a few experts
     # (35% of copies dropped at cf 1.25 in a 4-layer `reduced`; 1.6% with d_model ** -0.5).
     embedding_init_std: float | None = None
+    # Router (gate) kernel init std; None: init_std (DeepSeek/Megatron: one std for every projection);
+    # d_model ** -0.5 is MaxText's fan-in gate init (experiments/NOTES.md, routing collapse).
+    router_init_std: float | None = None
+    # Bias update rate schedule: starts at router_bias_rate_start and decays (half-cosine) to
+    # router_bias_rate over router_bias_rate_decay_steps; 0 for either: router_bias_rate throughout.
+    router_bias_rate_start: float = 0.0
+    router_bias_rate_decay_steps: int = 0
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -105,6 +112,10 @@ class ModelConfig:
     @property
     def embedding_std(self) -> float:
         return self.d_model ** -0.5 if self.embedding_init_std is None else float(self.embedding_init_std)
+
+    @property
+    def router_std(self) -> float:
+        return self.init_std if self.router_init_std is None else float(self.router_init_std)
 
     @property
     def qk_head_dim(self) -> int:
@@ -254,7 +265,14 @@ def _validate(c: ModelConfig) -> None:
         isinstance(c.embedding_init_std, (int, float)) and math.isfinite(c.embedding_init_std)
         and c.embedding_init_std > 0), "embedding_init_std",
         f"must be None or a positive finite number, got {c.embedding_init_std!r}")
-    for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate"):
+    _require(c.router_init_std is None or (
+        isinstance(c.router_init_std, (int, float)) and math.isfinite(c.router_init_std)
+        and c.router_init_std > 0), "router_init_std",
+        f"must be None or a positive finite number, got {c.router_init_std!r}")
+    _require(isinstance(c.router_bias_rate_decay_steps, int) and not isinstance(c.router_bias_rate_decay_steps, bool)
+             and c.router_bias_rate_decay_steps >= 0, "router_bias_rate_decay_steps",
+             f"must be a non-negative int, got {c.router_bias_rate_decay_steps!r}")
+    for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate", "router_bias_rate_start"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,
                  f"must be a finite number >= 0, got {value!r}")

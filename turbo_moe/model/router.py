@@ -65,7 +65,7 @@ class Router(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        init = nnx.initializers.normal(cfg.init_std)
+        init = nnx.initializers.normal(cfg.router_std)
         self.kernel = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_experts), jnp.dtype(cfg.param_dtype)))
         self.bias = RouterBias(jnp.zeros((cfg.n_experts,), jnp.float32))
 
@@ -93,3 +93,20 @@ def updated_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Ar
     """Aux-loss-free update: b_i += rate * sign(mean load - load_i) (raise under-loaded experts)."""
     load = expert_load.astype(jnp.float32)
     return bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+
+
+def bias_rate_at(cfg: ModelConfig, step) -> jax.Array:
+    """Bias update rate for the update made after optimizer step `step` (0-based; may be traced).
+
+    With `cfg.router_bias_rate_start > 0` and `cfg.router_bias_rate_decay_steps > 0` the rate starts at
+    `router_bias_rate_start` and follows a half-cosine down to `router_bias_rate` at
+    `router_bias_rate_decay_steps`, constant after; otherwise it is `router_bias_rate` throughout
+    (DeepSeek-V3 / Megatron-Core / MaxText: one constant rate). The fast start lets the bias keep up
+    with the router weights while AdamW moves them fastest (experiments/NOTES.md, routing collapse).
+    """
+    base = jnp.float32(cfg.router_bias_rate)
+    start, steps = cfg.router_bias_rate_start, cfg.router_bias_rate_decay_steps
+    if start <= 0 or steps <= 0:
+        return base
+    frac = jnp.clip(jnp.asarray(step, jnp.float32) / steps, 0.0, 1.0)
+    return base + (jnp.float32(start) - base) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
