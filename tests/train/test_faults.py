@@ -2,7 +2,6 @@
 exit), a full disk is never `oom`, a damaged latest checkpoint falls back to the one before, and a
 resume with another config is refused. (tests/FAULTS.md lists them with their results.)"""
 
-import json
 import shutil
 import subprocess
 import sys
