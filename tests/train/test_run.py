@@ -82,7 +82,7 @@ def test_same_seed_same_losses_and_resume_is_exact(base, long_run, tmp_path, cap
     resumed = run(base.replace(steps=8, checkpoint_dir=ckpt, resume=True, progress=True))
     assert resumed.status == "ok", resumed.error
     assert resumed.summary["resumed_from_step"] == 4
-    assert "tgs=" in capsys.readouterr().err  # the progress bar shows loss and TGS
+    assert "tok/dev/s" in capsys.readouterr().err  # the progress bar shows loss and TGS
     reference = [row["loss"] for row in long_run.history[:8]]
     assert resumed.losses() == reference  # bit-identical on CPU, steps 0-3 restored, 4-7 recomputed
     assert killed.losses() == reference[:4]

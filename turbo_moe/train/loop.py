@@ -173,7 +173,7 @@ class _Trainer:
         if not (self.tc.resume and self.checkpointer and self.checkpointer.latest_step() is not None):
             return state
         self._enter("restore")
-        state, record = self.checkpointer.restore(state)
+        state, record = self.checkpointer.restore(state, config=self.tc.to_dict())  # refuses another seed/path
         self.start_step = int(record["step"])
         if int(state.step) != self.start_step:
             raise ValueError(f"checkpoint record says step {self.start_step} but the optimizer state has "
