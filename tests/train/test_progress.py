@@ -17,7 +17,7 @@ def test_terminal_progress_names_each_phase_with_its_duration(capsys):
     for phase in ("setting up (data, mesh, model)", "initialising parameters", "compiling the train step"):
         assert f"train turbo: {phase} ..." in captured.err
     assert "train turbo: compiling the train step: 0.0 s" in captured.err
-    assert "2/2" in captured.err and "loss=5.000, tgs=1500" in captured.err
+    assert "2/2" in captured.err and "loss=5.000, tgs=1500 tok/dev/s" in captured.err
     assert captured.out == "the summary line\n"
     assert progress.status_text().startswith("train turbo: finished 2/2 steps [####################] 100%")
 

@@ -99,7 +99,7 @@ class RunProgress:
         if self.notebook:
             self._draw(force=done >= self.total)
         elif self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.3f}", tgs=f"{tgs:.0f}", refresh=False)  # tgs: tokens/device/s
+            self._bar.set_postfix_str(f"loss={loss:.3f}, tgs={tgs:.0f} tok/dev/s", refresh=False)
             self._bar.update(advance)
 
     def start_at(self, step: int) -> None:
