@@ -152,6 +152,7 @@ class _Trainer:
             "mtp_loss": float(m["mtp_loss"]), "balance_loss": float(m["balance_loss"]),
             "eval_loss": math.nan, "step_time_s": step_time, "tgs": self.tokens_per_device / step_time,
             "dropped_fraction": float(m["dropped_fraction"]), "load_max_over_mean": mean_ratio,
+            "dropped_fraction_per_layer": np.asarray(m["dropped_fraction_per_layer"]).round(5).tolist(),
             "load_max_over_mean_worst_layer": worst_ratio, "load_max_over_mean_per_layer": per_layer,
             "lr": float(self.schedule(step)),
             "grad_norm": float(m["grad_norm"]),
