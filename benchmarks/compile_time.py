@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--init-impl", default="threefry2x32", help="PRNG of the init key (threefry2x32|rbg)")
     ap.add_argument("--warmup", action="store_true", help="compile a trivial program first, timed apart")
     ap.add_argument("--overrides", default="{}", help="ModelConfig overrides as JSON, e.g. '{\"mtp_depth\": 0}'")
-    ap.add_argument("--autotune-level", default="0", help="TrainConfig.xla_gpu_autotune_level (0-4, or xla)")
+    ap.add_argument("--autotune-level", default="xla", help="TrainConfig.xla_gpu_autotune_level (0-4, or xla)")
     ap.add_argument("--tag", default="", help="suffix of the CSV name (variants of one device)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()

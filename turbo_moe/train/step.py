@@ -182,7 +182,7 @@ class Program:
 
 def compiler_options(gpu_autotune_level: int | None) -> dict | None:
     """Per-program XLA options. On the GPU, autotune level 0 skips timing GEMM variants at compile time
-    (`reduced`: train-step compile 23 s -> 10 s at the same TGS, experiments/NOTES.md)."""
+    (`reduced`: train-step compile 23 s -> 10 s, but steps 6x slower without an autotune cache)."""
     if gpu_autotune_level is None or jax.default_backend() != "gpu":
         return None
     return {"xla_gpu_autotune_level": gpu_autotune_level}
@@ -190,7 +190,7 @@ def compiler_options(gpu_autotune_level: int | None) -> dict | None:
 
 @functools.lru_cache(maxsize=4)
 def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
-                  fsdp: bool = True, gpu_autotune_level: int | None = 0) -> Program:
+                  fsdp: bool = True, gpu_autotune_level: int | None = None) -> Program:
     options = compiler_options(gpu_autotune_level)
     new_model, create = _init_fn(model_cfg, tx)
     key = jax.random.key(0)
