@@ -45,6 +45,10 @@ def train_config(
         raise ValueError(f"parameter per_device_batch: must be a positive int, got {per_device_batch!r}")
     if not isinstance(model_overrides or {}, Mapping):
         raise ValueError(f"parameter model_overrides: must be a dict, got {type(model_overrides).__name__}")
+    from turbo_moe.experiments import params
+
+    capacity_factor, train_overrides = params.check_train_parameters(
+        capacity_factor=capacity_factor, train_overrides=train_overrides, explicit=fields)
     overrides = {**(model_overrides or {}), "moe_path": moe_path}
     if capacity_factor is not None and not (isinstance(capacity_factor, float) and math.isnan(capacity_factor)):
         overrides["capacity_factor"] = float(capacity_factor)
