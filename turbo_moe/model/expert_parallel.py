@@ -148,3 +148,43 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
         return y, ExpertStats(load, dropped)
 
     return run
+
+
+def mesh_device_count(mesh=None) -> int:
+    """Devices of `mesh` (or the ambient mesh); 1 when there is none."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or mesh.empty:
+            return 1
+    return math.prod(dict(mesh.shape).values())
+
+
+def data_parallel_moe_path(local_path: Callable, *, mesh=None):
+    """A one-device MoE path run per device inside `shard_map` on a mesh without expert parallelism.
+
+    Each device runs its own tokens against the whole (gathered) expert weights. Without this, XLA's
+    partitioner replicates the FFI custom calls: every device would run the whole global batch.
+    """
+    mesh = _mesh_or_ambient(mesh)
+    batch_axes = tuple(mesh.axis_names)
+    n_devices = mesh_device_count(mesh)
+
+    def run(x: jax.Array, routing: Routing, weights: ExpertWeights) -> tuple[jax.Array, ExpertStats]:
+        if x.shape[0] % n_devices:
+            raise ValueError(f"x: batch {x.shape[0]} must be divisible by the {n_devices} devices of the mesh "
+                             f"{dict(mesh.shape)}")
+
+        def sharded(x, ids, combine_w, w):
+            y, stats = local_path(x, Routing(ids, combine_w, None), _varying_like(w, batch_axes))
+            # Every device holds the same number of copies, so the mean of the fractions is exact.
+            return y, jax.lax.psum(stats.expert_load, batch_axes), jax.lax.pmean(stats.dropped_fraction, batch_axes)
+
+        tokens_spec = P(batch_axes)
+        y, load, dropped = jax.shard_map(
+            sharded, mesh=mesh,
+            in_specs=(tokens_spec, tokens_spec, tokens_spec, ExpertWeights(P(), P())),
+            out_specs=(tokens_spec, P(), P()),
+        )(x, routing.expert_ids, routing.weights.astype(jnp.float32), weights)
+        return y, ExpertStats(load, dropped)
+
+    return run

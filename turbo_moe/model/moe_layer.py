@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from turbo_moe.model.config import MOE_PATHS, ModelConfig
-from turbo_moe.model.expert_parallel import ep_moe_path, expert_axis_size
+from turbo_moe.model.expert_parallel import data_parallel_moe_path, ep_moe_path, expert_axis_size, mesh_device_count
 from turbo_moe.model.experts import ExpertStats, ExpertWeights, RoutedExperts
 from turbo_moe.model.layers import SwiGLU
 from turbo_moe.model.moe_dense_cf import dense_cf_experts
@@ -53,6 +53,8 @@ class MoELayer(nnx.Module):
         if expert_axis_size() > 1:  # traced under a mesh with an "expert" axis: routed experts split over it
             path = ep_moe_path(self.cfg.moe_path, capacity_factor=self.cfg.capacity_factor,
                                ep_exchange=self.cfg.ep_exchange, ep_capacity_factor=self.cfg.ep_capacity_factor)
+        elif mesh_device_count() > 1:  # data parallel: each device runs its own tokens
+            path = data_parallel_moe_path(path)
         with jax.named_scope("routed_experts"):
             y, stats = path(x, routing, self.experts.weights())
         if self.shared is not None:

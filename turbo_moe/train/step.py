@@ -56,8 +56,8 @@ def state_shardings(abstract_state, mesh: Mesh, fsdp: bool = True):
 
 
 def _in_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
-    """Traces `fn` with `mesh` as the ambient abstract mesh, so MoE layers find the expert axis."""
-    if mesh is None or dict(mesh.shape).get("expert", 1) == 1:
+    """Traces `fn` with `mesh` as the ambient abstract mesh, so MoE layers run per device (shard_map)."""
+    if mesh is None or mesh.size == 1:
         return fn
 
     @functools.wraps(fn)
