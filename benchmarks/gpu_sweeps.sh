@@ -22,13 +22,10 @@ if [ -d .whl ] && ! $PY -c "import papermill, ipykernel" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export TURBO_MOE_LIB_DIR=$LIB_DIR TURBO_MOE_DATA_DIR=$DATA_DIR PYTHONUNBUFFERED=1
-# Let XLA's allocator use most of the GPU (its default is 75%), so the OOM frontier is the device's.
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
-# Points of a sweep share most compiled programs (the parameter init of one model takes ~80 s to compile
-# on an H200 and is the same for every batch size): JAX's persistent cache compiles each once.
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_compilation_cache}
+# Library and data paths, allocator fraction (the OOM frontier is the device's), persistent compilation
+# cache (points of a sweep share most compiled programs): one place, benchmarks/gpu_env.sh.
+export TURBO_MOE_LIB_DIR=$LIB_DIR TURBO_MOE_DATA_DIR=$DATA_DIR
+source benchmarks/gpu_env.sh || exit 1
 $PY -m ipykernel install --user --name turbo-moe --display-name "turbo-moe" >/dev/null || exit 1
 
 log=${OUT:-/tmp}/sweeps.log

@@ -46,13 +46,18 @@ def _mesh_or_ambient(mesh):
     return ambient
 
 
-def expert_axis_size(mesh=None, expert_axis: str = EXPERT_AXIS) -> int:
-    """Size of `expert_axis` in `mesh` (or the ambient mesh); 1 when there is no mesh or no such axis."""
+def _mesh_shape(mesh=None) -> dict:
+    """{axis: size} of `mesh` (or the ambient mesh); {} when there is none."""
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh is None or mesh.empty:
-            return 1
-    return dict(mesh.shape).get(expert_axis, 1)
+            return {}
+    return dict(mesh.shape)
+
+
+def expert_axis_size(mesh=None, expert_axis: str = EXPERT_AXIS) -> int:
+    """Size of `expert_axis` in `mesh` (or the ambient mesh); 1 when there is no mesh or no such axis."""
+    return _mesh_shape(mesh).get(expert_axis, 1)
 
 
 def _platform(mesh) -> str:
@@ -152,11 +157,7 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
 
 def mesh_device_count(mesh=None) -> int:
     """Devices of `mesh` (or the ambient mesh); 1 when there is none."""
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh is None or mesh.empty:
-            return 1
-    return math.prod(dict(mesh.shape).values())
+    return math.prod(_mesh_shape(mesh).values())
 
 
 def data_parallel_moe_path(local_path: Callable, *, mesh=None):

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_bias
 from turbo_moe.model.router import bias_rate_at
-from turbo_moe.model.sharding import state_shardings as model_state_shardings
+from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train state's layout, re-exported)
 from turbo_moe.train.config import TrainConfig
 
 # Mesh axes: ("data", "expert"). Tokens are split over every device; the training states are sharded
@@ -47,12 +47,6 @@ def make_mesh(devices: list | None = None, expert_parallel: int = 1) -> Mesh:
         raise ValueError(f"expert_parallel must be a positive int dividing the {len(devices)} devices, "
                          f"got {expert_parallel!r}")
     return Mesh(np.asarray(devices).reshape(len(devices) // expert_parallel, expert_parallel), MESH_AXES)
-
-
-def state_shardings(abstract_state, mesh: Mesh, fsdp: bool = True):
-    """Shardings of a TrainState: routed-expert states split over "expert" (and "data" with fsdp),
-    every other state over all devices with fsdp, replicated without (turbo_moe.model.sharding)."""
-    return model_state_shardings(abstract_state, mesh, fsdp=fsdp)
 
 
 def _in_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
@@ -195,7 +189,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     new_model, create = _init_fn(model_cfg, tx)
     key = jax.random.key(0)
     graphdef = nnx.split(nnx.eval_shape(lambda: new_model(key)), nnx.Param, ...)[0]  # no allocation
-    state_sharding = state_shardings(jax.eval_shape(create, key), mesh, fsdp)
+    state_sharding = state_shardings(jax.eval_shape(create, key), mesh, fsdp=fsdp)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
     init = jax.jit(create, out_shardings=state_sharding, compiler_options=options)
