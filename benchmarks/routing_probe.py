@@ -111,7 +111,7 @@ class Recorder:
 
         def patched(router, x):
             routing = orig(router, x)
-            logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router.kernel[...].astype(jnp.float32))
+            logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router.gate())
             stats = router_stats(jax.lax.stop_gradient(x), jax.lax.stop_gradient(logits), routing.expert_ids,
                                  jax.lax.stop_gradient(router.bias[...]), router.cfg)
             jax.debug.callback(recorder._store, stats, ordered=True)

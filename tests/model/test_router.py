@@ -108,8 +108,39 @@ def test_router_init_std_sets_the_gate_kernel_scale_only():
         assert abs(kernel.std() / std - 1) < 0.03, (kernel.std(), std)
 
 
+def test_proportional_bias_update_moves_by_the_relative_load_gap():
+    bias = jnp.zeros((2, 4))
+    load = jnp.array([[10.0, 0.0, 2.0, 4.0], [4.0, 4.0, 4.0, 4.0]])  # means 4 and 4
+    np.testing.assert_allclose(updated_bias(bias, load, 0.1, "proportional"),
+                               [[-0.15, 0.1, 0.05, 0.0], [0, 0, 0, 0]], atol=1e-7)
+    np.testing.assert_allclose(updated_bias(bias, load, 0.1, "sign"), [[-0.1, 0.1, 0.1, 0.0], [0, 0, 0, 0]])
+    with pytest.raises(ValueError, match="rule"):
+        updated_bias(bias, load, 0.1, "signum")
+
+
+def test_router_lr_scale_keeps_the_gate_and_scales_its_adam_steps():
+    import optax
+
+    cfg = get_config("tiny", init_std=0.02)
+    slow = cfg.replace(router_lr_scale=0.1)
+    a, b = Router(cfg, nnx.Rngs(0)), Router(slow, nnx.Rngs(0))
+    np.testing.assert_allclose(a.gate(), b.gate(), rtol=1e-6)  # same effective init
+    x = jax.random.normal(jax.random.key(1), (16, cfg.d_model))
+    np.testing.assert_allclose(a(x).scores, b(x).scores, rtol=1e-5)
+    moved = []
+    for router in (a, b):  # one Adam step on a loss of the scores: the gate moves ~lr * scale per element
+        graphdef, params, rest = nnx.split(router, nnx.Param, ...)
+        loss = lambda p: nnx.merge(graphdef, p, rest)(x).scores[:, 0].sum()
+        tx = optax.adam(1e-3)
+        updates, _ = tx.update(jax.grad(loss)(params), tx.init(params), params)
+        new = nnx.merge(graphdef, optax.apply_updates(params, updates), rest)
+        moved.append(float(jnp.abs(new.gate() - router.gate()).max()))
+    np.testing.assert_allclose(moved, [1e-3, 1e-4], rtol=1e-3)
+
+
 @pytest.mark.parametrize("field, value", [("router_init_std", 0.0), ("router_init_std", -1.0),
-                                          ("router_bias_rate_start", -1e-3), ("router_bias_rate_decay_steps", -1)])
+                                          ("router_bias_rate_start", -1e-3), ("router_bias_rate_decay_steps", -1),
+                                          ("router_lr_scale", 0.0), ("router_bias_update", "signum")])
 def test_router_recipe_fields_are_validated(field, value):
     with pytest.raises(ValueError, match=field):
         get_config("tiny", **{field: value})

@@ -18,6 +18,7 @@ COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ROUTER_BIAS_UPDATES = ("sign", "proportional")
 
 # MaxText spellings accepted by `from_dict` (left) for our field names (right).
 MAXTEXT_ALIASES = {
@@ -103,6 +104,12 @@ class ModelConfig:
     # router_bias_rate over router_bias_rate_decay_steps; 0 for either: router_bias_rate throughout.
     router_bias_rate_start: float = 0.0
     router_bias_rate_decay_steps: int = 0
+    # "sign": b_i += rate * sign(mean - load_i) (DeepSeek-V3); "proportional": b_i += rate * (mean -
+    # load_i) / mean, so an expert at 10x the mean load moves 9 steps' worth at once.
+    router_bias_update: str = "sign"
+    # Gate kernel stored divided by this factor and multiplied back in the forward: AdamW (updates ~lr
+    # per element) then moves the gate at lr * router_lr_scale, without touching the optimizer.
+    router_lr_scale: float = 1.0
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -257,7 +264,9 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
     _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
              f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
-    for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "init_std"):
+    _require(c.router_bias_update in ROUTER_BIAS_UPDATES, "router_bias_update",
+             f"got {c.router_bias_update!r}; expected one of {ROUTER_BIAS_UPDATES}")
+    for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "init_std", "router_lr_scale"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name,
                  f"must be a positive finite number, got {value!r}")

@@ -179,7 +179,8 @@ def lm_loss(model: DeepSeekModel, batch: dict) -> tuple[jax.Array, dict]:
 
 
 def update_router_bias(model: DeepSeekModel, expert_load: jax.Array, rate: float | None = None) -> None:
-    """Aux-loss-free balancing, in place: b_i += rate * sign(mean load - load_i) for each MoE layer.
+    """Aux-loss-free balancing, in place, for each MoE layer: `router.updated_bias` with
+    cfg.router_bias_update (sign: b_i += rate * sign(mean load - load_i)).
 
     expert_load (L_moe, E) as in `MoEStats.expert_load`; rate defaults to cfg.router_bias_rate.
     Call outside the gradient (after the optimizer step).
@@ -193,5 +194,5 @@ def update_router_bias(model: DeepSeekModel, expert_load: jax.Array, rate: float
     for bias in model.router_biases():  # (L, E) for the MoE stack, (E,) for an MTP block
         rows = bias[...].shape[0] if bias[...].ndim == 2 else 1
         load = expert_load[row:row + rows].reshape(bias[...].shape)
-        bias[...] = updated_bias(bias[...], load, rate)
+        bias[...] = updated_bias(bias[...], load, rate, model.cfg.router_bias_update)
         row += rows

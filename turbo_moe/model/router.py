@@ -65,13 +65,18 @@ class Router(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        init = nnx.initializers.normal(cfg.router_std)
+        # Stored as gate / router_lr_scale (see ModelConfig.router_lr_scale); `gate()` is the effective one.
+        init = nnx.initializers.normal(cfg.router_std / cfg.router_lr_scale)
         self.kernel = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_experts), jnp.dtype(cfg.param_dtype)))
         self.bias = RouterBias(jnp.zeros((cfg.n_experts,), jnp.float32))
 
+    def gate(self) -> jax.Array:
+        """(D, E) float32 effective gate kernel."""
+        return self.kernel[...].astype(jnp.float32) * self.cfg.router_lr_scale
+
     def __call__(self, x: jax.Array) -> Routing:
         # The gate runs in float32: small score differences decide the routing.
-        logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
+        logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), self.gate())
         return route(jax.nn.sigmoid(logits), self.bias[...], self.cfg)
 
 
@@ -89,10 +94,17 @@ def sequence_balance_loss(scores: jax.Array, expert_ids: jax.Array, n_experts: i
     return jnp.mean(jnp.sum(f * p, axis=-1))
 
 
-def updated_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
-    """Aux-loss-free update: b_i += rate * sign(mean load - load_i) (raise under-loaded experts)."""
+def updated_bias(bias: jax.Array, expert_load: jax.Array, rate, rule: str = "sign") -> jax.Array:
+    """Aux-loss-free update (raise under-loaded experts), expert_load (..., E):
+    "sign": b_i += rate * sign(mean - load_i) (DeepSeek-V3); "proportional": b_i += rate * (mean - load_i) / mean.
+    """
     load = expert_load.astype(jnp.float32)
-    return bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+    mean = load.mean(-1, keepdims=True)
+    if rule == "sign":
+        return bias + rate * jnp.sign(mean - load)
+    if rule == "proportional":
+        return bias + rate * (mean - load) / jnp.maximum(mean, 1e-20)
+    raise ValueError(f"rule: expected 'sign' or 'proportional', got {rule!r}")
 
 
 def bias_rate_at(cfg: ModelConfig, step) -> jax.Array:
