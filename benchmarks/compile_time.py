@@ -5,7 +5,8 @@
 
 Each case compiles in a fresh subprocess with JAX's persistent compilation cache off, so nothing is
 reused: "init" is `jit(create).lower(key).compile()` and "train" is the train step lowered on abstract
-inputs (`.lower(abstract state, abstract batch).compile()`): nothing is allocated, so full-width
+inputs (`.lower(abstract state, abstract batch).compile()`; with --overlap both compile at once, as
+`turbo_moe.train.run` does, and total_s is the wall clock): nothing is allocated, so full-width
 slices compile on any machine. Cases: `reduced` (16 layers) and full-width DeepSeek-V3 slices with
 4 / 16 / 61 layers (exact widths, 16 routed experts so the graph stays the same size), each scanned
 and (where it finishes in reasonable time) unrolled. Results carry provenance.
@@ -13,6 +14,7 @@ and (where it finishes in reasonable time) unrolled. Results carry provenance.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import json
 import os
@@ -35,7 +37,7 @@ DEFAULT_RUNS = ["reduced:scan", "reduced:unrolled", "full_4:scan", "full_16:scan
 
 
 def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bool, overrides: dict,
-                 autotune: int | None) -> dict:
+                 autotune: int | None, overlap: bool = False) -> dict:
     """Runs in the child: compile init and train step of one case cold, return the timings."""
     import jax
     import jax.numpy as jnp
@@ -57,28 +59,36 @@ def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bo
     program = build_program(cfg, tx, mesh, True, autotune)
     t_build = time.perf_counter() - t0
     key = jax.random.key(0, impl=init_impl)
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        return fn(), time.perf_counter() - t0
+
+    compile_init = lambda: program.init.lower(key).compile()  # noqa: E731
+    compile_train = lambda: program.train.lower(program.abstract_state, abstract_batch(batch, seq, mesh)).compile()  # noqa: E731
     t0 = time.perf_counter()
-    init = program.init.lower(key).compile()
-    t_init = time.perf_counter() - t0
-    abstract_state = jax.eval_shape(program.init, key)
-    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  abstract_state, init.output_shardings)
-    t0 = time.perf_counter()
-    train = program.train.lower(abstract_state, abstract_batch(batch, seq, mesh)).compile()
-    t_train = time.perf_counter() - t0
+    if overlap:  # as turbo_moe.train.run does: the train step compiles in a thread while init compiles
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(timed, compile_train)
+            _, t_init = timed(compile_init)
+            train, t_train = pending.result()
+    else:
+        (_, t_init), (train, t_train) = timed(compile_init), timed(compile_train)
+    t_wall = time.perf_counter() - t0
     mem = train.memory_analysis()
     return {"case": case, "mode": mode, "moe_path": moe_path, "init_impl": init_impl, "overrides": overrides,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "gpu_autotune_level": autotune, "warmup_s": round(t_warmup, 2), "n_layers": cfg.n_layers,
             "d_model": cfg.d_model, "n_experts": cfg.n_experts, "per_device_batch": batch, "seq_len": seq,
             "build_s": round(t_build, 2), "init_compile_s": round(t_init, 2),
-            "train_compile_s": round(t_train, 2), "total_s": round(t_build + t_init + t_train, 2),
+            "train_compile_s": round(t_train, 2), "overlap": overlap, "total_s": round(t_build + t_wall, 2),
             "train_temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 2) if mem else None}
 
 
 def run_child(case: str, mode: str, args) -> dict:
     moe_path, timeout_s = args.moe_path, args.timeout_s
     cmd = [sys.executable, __file__, "--child", f"{case}:{mode}", "--moe-path", moe_path,
-           "--init-impl", args.init_impl, "--overrides", args.overrides, "--autotune-level", args.autotune_level] + (["--warmup"] if args.warmup else [])
+           "--init-impl", args.init_impl, "--overrides", args.overrides, "--autotune-level", args.autotune_level] + (["--warmup"] if args.warmup else []) + (
+        ["--overlap"] if args.overlap else [])
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": ""}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
@@ -101,6 +111,8 @@ def main() -> None:
     ap.add_argument("--warmup", action="store_true", help="compile a trivial program first, timed apart")
     ap.add_argument("--overrides", default="{}", help="ModelConfig overrides as JSON, e.g. '{\"mtp_depth\": 0}'")
     ap.add_argument("--autotune-level", default="xla", help="TrainConfig.xla_gpu_autotune_level (0-4, or xla)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="compile the train step in a thread while init compiles (total_s = wall clock)")
     ap.add_argument("--tag", default="", help="suffix of the CSV name (variants of one device)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -108,7 +120,8 @@ def main() -> None:
         case, mode = args.child.split(":")
         print(json.dumps(compile_case(case, mode, args.moe_path, args.init_impl, args.warmup,
                                       json.loads(args.overrides),
-                                      None if args.autotune_level == "xla" else int(args.autotune_level))),
+                                      None if args.autotune_level == "xla" else int(args.autotune_level),
+                                      args.overlap)),
               flush=True)
         return
 

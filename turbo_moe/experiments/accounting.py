@@ -6,9 +6,9 @@ The estimates are analytic and state their assumptions:
 - Training states (AdamW): parameters and gradients in ``param_dtype`` plus two float32 moments.
   Routed-expert weights are split over ``expert x tensor x pipeline``, the other weights over
   ``tensor x pipeline``; with ``fsdp`` both are further split over ``data`` (ZeRO-3 style).
-- Activations for ``per_device_batch`` sequences: with ``remat_policy="full"`` each layer keeps its input
-  and one layer's working set is live at a time; otherwise every layer keeps its working set. Layers
-  are split over ``pipeline``; a layer's working set over ``tensor``.
+- Activations for ``per_device_batch`` sequences, at the start of the backward pass: every layer's saved
+  values under its remat policy (``saved_values_per_token``), one layer's working set, and the float32
+  logits of the output heads. Layers are split over ``pipeline``; a layer's values over ``tensor``.
 - The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
   one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included);
   ``ragged``/``turbo`` hold the B S k sorted token copies only.
@@ -129,18 +129,65 @@ def attention_working_set_bytes(cfg: ModelConfig, per_device_batch: int, seq_len
     return tensors + scores
 
 
+def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
+    """Bytes one block keeps per token for its backward pass under ``cfg.remat_policy``.
+
+    "full": the block input. "dots_no_batch" (and "dots", whose extra batched dots are attention and
+    dense_cf's slot einsums): the input plus every projection output (MLA q/kv LoRA and up-projections,
+    output projection, the float32 router gate, the shared expert or dense FFN). Grouped GEMMs (FFI
+    calls, `ragged_dot`) and cuDNN attention are not dots: they are recomputed. "none": the whole
+    working set of the block (attention + FFN) stays.
+    """
+    act = _BYTES[cfg.dtype]
+    d = cfg.d_model
+    if cfg.remat_policy == "full":
+        return d * act
+    if cfg.remat_policy == "none":
+        work = attention_working_set_bytes(cfg, 1, 1) + (
+            moe_working_set_bytes(cfg, path, 1, 1) if moe else 3 * cfg.dense_ffn_dim * act)
+        return work + 6 * d * act  # + norms, residual sums
+    h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = (cfg.q_lora_rank + h * qk) if cfg.q_lora_rank else h * qk
+    kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim + h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    attention = q + kv + d
+    if moe:
+        ffn = 2 * cfg.n_shared_experts * cfg.moe_ffn_dim + d if cfg.n_shared_experts else 0
+        gate = cfg.n_experts * 4 / act  # float32 router scores
+    else:
+        ffn, gate = 2 * cfg.dense_ffn_dim + d, 0
+    return (d + attention + ffn + gate) * act
+
+
 def activation_bytes_per_device(
     cfg: ModelConfig, path: str, mesh: MeshShape, per_device_batch: int, seq_len: int
 ) -> dict[str, float]:
-    """Activation memory per device: saved layer state, one layer's working set, and the logits."""
-    layers = math.ceil((cfg.n_layers + cfg.mtp_depth) / mesh.pipeline)
+    """Activation memory per device at the start of the backward pass (where training peaks):
+
+    saved layers   every block's saved values (`saved_values_per_token`), MTP blocks included;
+    live layer     one block's working set, rebuilt by remat during its backward;
+    logits         float32 logits of the main and MTP heads, kept for the loss's backward, plus the
+                   gradient of one of them.
+    """
+    tokens = per_device_batch * seq_len
+    n_moe = cfg.n_layers - cfg.n_dense_layers + cfg.mtp_depth
+    per_token = (n_moe * saved_values_per_token(cfg, path, True)
+                 + cfg.n_dense_layers * saved_values_per_token(cfg, path, False))
+    saved = tokens * per_token / (mesh.pipeline * mesh.tensor)
     moe = moe_working_set_bytes(cfg, path, per_device_batch, seq_len) / mesh.tensor
     attn = attention_working_set_bytes(cfg, per_device_batch, seq_len) / mesh.tensor
-    layer_input = per_device_batch * seq_len * cfg.d_model * _BYTES[cfg.dtype]
-    working = moe + attn
-    saved = layers * (layer_input if cfg.remat_policy == "full" else working)
-    logits = per_device_batch * seq_len * cfg.vocab_size * 4 * (1 + cfg.mtp_depth) * 2 / mesh.tensor  # + grads
-    return {"saved layers": saved, "live layer": working, "logits": logits}
+    logits = tokens * cfg.vocab_size * 4 * (1 + cfg.mtp_depth + 1) / mesh.tensor
+    return {"saved layers": saved, "live layer": moe + attn, "logits": logits}
+
+
+def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
+                      mesh: MeshShape | None = None) -> dict[str, float]:
+    """Predicted peak bytes per device of one training step of ``cfg`` (its own ``moe_path``): AdamW
+    states (parameters, gradients, two moments) plus the activations above. Checked against XLA's
+    buffer assignment by ``benchmarks/memory_check.py`` (experiments/NOTES.md, issue 12)."""
+    mesh = mesh or MeshShape()
+    _check_path(cfg.moe_path)
+    return {"states": state_bytes_per_device(cfg, mesh),
+            **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len)}
 
 
 def full_model_table(

@@ -8,6 +8,7 @@ are left out of TGS/MFU.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 import traceback
@@ -90,11 +91,20 @@ class _Trainer:
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
         program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level)
-        self._enter("initialisation")
-        state = self._maybe_resume(jax.block_until_ready(program.init(jax.random.key(tc.seed))))
+        # The train step compiles on abstract inputs in a second thread while the init program compiles
+        # and runs: a cold start waits for the longer of the two, not their sum (NOTES, issue 12).
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step") as pool:
+            pending = pool.submit(self._compile, program.train, program.abstract_state, mesh)
+            self._enter("initialisation")
+            try:
+                state = self._maybe_resume(jax.block_until_ready(program.init(jax.random.key(tc.seed))))
+            except BaseException:
+                pending.cancel()
+                raise
+            self._enter("compilation")  # what is left of it once the state exists
+            compiled = pending.result()
+        self._check_fits()
         eval_step = program.evaluate
-        self._enter("compilation")
-        compiled = self._compile(program.train, state, mesh)
         if self.start_step >= tc.steps:
             return
         proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -182,13 +192,13 @@ class _Trainer:
         self.result.history.extend(record["history"])
         return state
 
-    def _compile(self, train_step, state, mesh):
+    def _compile(self, train_step, abstract_state, mesh):
+        """AOT-compile the train step (thread-safe: it only reads the config and writes its own fields)."""
         start = time.perf_counter()
-        compiled = train_step.lower(state, abstract_batch(self.global_batch, self.seq_len, mesh)).compile()
+        compiled = train_step.lower(abstract_state, abstract_batch(self.global_batch, self.seq_len, mesh)).compile()
         self.compile_time_s = time.perf_counter() - start
         self.compiled_mem = M.compiled_memory(compiled)
         self.memory_limit = M.device_memory_limit()
-        self._check_fits()
         return compiled
 
     def _check_fits(self) -> None:

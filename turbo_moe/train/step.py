@@ -172,6 +172,7 @@ class Program:
     init: Callable  # key -> TrainState, laid out by state_shardings
     train: Callable  # (state, batch) -> (state, metrics), state donated
     evaluate: Callable  # (state, batch) -> {"ce_loss", "loss"}
+    abstract_state: Any  # TrainState of ShapeDtypeStructs with shardings: compile before init has run
 
 
 def compiler_options(gpu_autotune_level: int | None) -> dict | None:
@@ -189,7 +190,10 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     new_model, create = _init_fn(model_cfg, tx)
     key = jax.random.key(0)
     graphdef = nnx.split(nnx.eval_shape(lambda: new_model(key)), nnx.Param, ...)[0]  # no allocation
-    state_sharding = state_shardings(jax.eval_shape(create, key), mesh, fsdp=fsdp)
+    shapes = jax.eval_shape(create, key)
+    state_sharding = state_shardings(shapes, mesh, fsdp=fsdp)
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  shapes, state_sharding)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
     init = jax.jit(create, out_shardings=state_sharding, compiler_options=options)
@@ -199,7 +203,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
                     out_shardings=(state_sharding, replicated(mesh)), donate_argnums=0, compiler_options=options)
     evaluate = jax.jit(_in_mesh(make_eval_step(graphdef), mesh), in_shardings=(state_sharding, data_sharding),
                        out_shardings=replicated(mesh), compiler_options=options)
-    return Program(graphdef, init, train, evaluate)
+    return Program(graphdef, init, train, evaluate, abstract_state)
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> dict:
