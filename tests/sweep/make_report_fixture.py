@@ -47,7 +47,8 @@ def loss_sweep(rng):
         steps = np.arange(1, 41)
         loss = 5.5 * np.exp(-steps / (15 + 3 * i)) + 1.5 + 0.02 * rng.standard_normal(40)
         history = [{"step": int(s), "loss": float(l) + 0.3, "ce_loss": float(l), "eval_loss": float(l + 0.1) if s % 10 == 0 else float("nan"),
-                    "tgs": 1000.0, "dropped_fraction": (0.2 / cf) * math.exp(-s / 30) if cf else 0.0}
+                    "tgs": 1000.0, "dropped_fraction": (0.2 / cf) * math.exp(-s / 30) if cf else 0.0,
+                    "load_max_over_mean": 1.3 + 3 * math.exp(-s / 10)}
                    for s, l in zip(steps, loss)]
         record = {"status": "ok", "error": None, "history": history,
                   "summary": {"tgs": 1000.0 + 100 * i, "final_loss": float(loss[-1])},

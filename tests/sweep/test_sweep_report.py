@@ -13,8 +13,8 @@ from turbo_moe import cli  # noqa: E402
 from turbo_moe.experiments import report  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "results"
-EXPECTED = ["tgs_vs_batch", "peak_memory", "loss_curves", "dropped_fraction", "synthetic_vs_real",
-            "expert_load_cpu_loss", "kernel_tflops_h100"]
+EXPECTED = ["tgs_vs_batch", "peak_memory", "loss_curves", "dropped_fraction", "expert_load_over_steps",
+            "synthetic_vs_real", "expert_load_cpu_loss", "kernel_tflops_h100"]
 
 
 def test_report_draws_every_figure_from_fixture(tmp_path):
@@ -48,7 +48,7 @@ def test_missing_tables_skip_figures_with_a_note(tmp_path, capsys):
 def test_empty_results_dir_gives_notes_not_errors(tmp_path):
     summary = report.build_report(tmp_path / "nothing_here", tmp_path / "figures")
     skipped = [k for k, v in summary.entries.items() if v.startswith("skipped")]
-    assert len(skipped) == 7
+    assert len(skipped) == 8
     assert "_no results yet_" in (tmp_path / "figures" / "results.md").read_text()
 
 
@@ -82,6 +82,23 @@ def test_minimal_table_without_provenance_still_draws(tmp_path):
     summary = report.build_report(tmp_path / "results", tmp_path / "figures")
     assert summary.entries["tgs_vs_batch"].endswith("tgs_vs_batch.png")
     assert "| mini | ragged | 4 | oom |" in (tmp_path / "figures" / "results.md").read_text()
+
+
+def test_routing_phases_average_the_first_and_last_steps_of_each_run():
+    """The results table reports drop and load as at init and late in the run (balanced regime)."""
+    import pandas as pd
+
+    steps = range(40)
+    run = pd.DataFrame({"step": list(steps), "dropped_fraction": [0.5 if s < 2 else 0.1 for s in steps],
+                        "load_max_over_mean": [4.0 if s < 30 else 1.5 for s in steps]})
+    phases = report.routing_phases(pd.concat([run.assign(sweep="s", point="a"),
+                                              run.assign(sweep="s", point="b", dropped_fraction=0.0)]))
+    a, b = phases.set_index("point").loc["a"], phases.set_index("point").loc["b"]
+    assert (a["dropped_init"], a["dropped_late"], a["load_init"], a["load_late"]) == (0.5, 0.1, 4.0, 1.5)
+    assert (b["dropped_init"], b["dropped_late"]) == (0.0, 0.0)
+    data = report.load_report_data(FIXTURE)
+    assert data.results.loc[data.results["sweep"] == "cpu_loss", "load_late"].notna().all()
+    assert "load max/mean, last 25%" in report.results_markdown(data.results)
 
 
 def test_seed_repeats_get_their_own_label_and_curve():

@@ -245,6 +245,33 @@ def dropped_fraction(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figu
     return add_provenance(fig, results[results["point"].isin(rows["point"])])
 
 
+def load_over_steps(histories: pd.DataFrame, results: pd.DataFrame,
+                    phases: dict[str, tuple[float, float]]) -> plt.Figure | None:
+    """Max/mean expert load (mean over MoE layers) against step, every path, one panel per sweep; the
+    report's routing phases (fractions of the sweep's steps: init, late) shaded."""
+    if histories.empty or "load_max_over_mean" not in histories:
+        return None
+    rows = histories[histories["load_max_over_mean"].notna()]
+    if rows.empty:
+        return None
+    sweeps = list(dict.fromkeys(rows["sweep"]))
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(5 * len(sweeps) + 1, 4), squeeze=False)
+    for ax, sweep in zip(axes[0], sweeps):
+        part = rows[rows["sweep"] == sweep]
+        sns.lineplot(data=part, x="step", y="load_max_over_mean", hue="label", ax=ax, errorbar=None, linewidth=1)
+        last = float(part["step"].max()) + 1
+        for name, (lo, hi) in phases.items():
+            ax.axvspan(lo * last, hi * last, color="0.85", alpha=0.6, zorder=0)
+            ax.text((lo + hi) / 2 * last, 0.98, name, transform=ax.get_xaxis_transform(), ha="center",
+                    va="top", fontsize=8)
+        ax.axhline(1.0, color="0.4", linewidth=0.8, linestyle=":")
+        ax.set(xlabel="step", ylabel="expert load, max / mean (1 = balanced)", title=sweep)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.suptitle("Routing balance over training (mean over MoE layers)")
+    return add_provenance(fig, results[results["point"].isin(rows["point"])])
+
+
 def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame) -> plt.Figure | None:
     """Final expert load (layer x expert) per run, as a multiple of the layer's mean load (1 = balanced).
 

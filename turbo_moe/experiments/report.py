@@ -24,6 +24,9 @@ import seaborn as sns
 from turbo_moe.experiments import figures, results
 
 MIN_CURVE_STEPS = 20  # shorter runs (throughput probes) are noise on a loss plot
+# Routing phases of a run, as fractions of its logged steps: the router as at init (before the warm-up
+# collapse) and the last quarter (balanced once the bias has caught up; experiments/NOTES.md, issue 13).
+ROUTING_PHASES = {"init": (0.0, 0.05), "late": (0.75, 1.0)}
 MANIFEST = "report.json"
 
 
@@ -102,12 +105,34 @@ def load_report_data(results_dir: str | Path) -> ReportData:
             if record.get("expert_load"):
                 loads.setdefault(sweep, {})[row["path"]] = np.asarray(record["expert_load"], dtype=float)
     kernels = results.load_kernel_tables(results_dir) if Path(results_dir).exists() else pd.DataFrame()
+    histories = pd.concat(histories, ignore_index=True) if histories else pd.DataFrame()
+    phases = routing_phases(histories)
+    if not phases.empty:
+        frame = frame.merge(phases, on=["sweep", "point"], how="left")
     return ReportData(
         results=frame,
-        histories=pd.concat(histories, ignore_index=True) if histories else pd.DataFrame(),
+        histories=histories,
         loads=loads,
         kernels=kernels,
     )
+
+
+def routing_phases(histories: pd.DataFrame) -> pd.DataFrame:
+    """Per (sweep, point): mean dropped fraction and max/mean expert load in each ROUTING_PHASES window
+    (columns dropped_<phase>, load_<phase>). The first window is at least one step."""
+    if histories.empty or "load_max_over_mean" not in histories:
+        return pd.DataFrame()
+    rows = []
+    for (sweep, point), run in histories.groupby(["sweep", "point"], sort=False):
+        run = run.sort_values("step").reset_index(drop=True)
+        row = {"sweep": sweep, "point": point}
+        for phase, (lo, hi) in ROUTING_PHASES.items():
+            part = run.iloc[int(lo * len(run)):max(int(hi * len(run)), int(lo * len(run)) + 1)]
+            for column, name in (("dropped_fraction", "dropped"), ("load_max_over_mean", "load")):
+                values = pd.to_numeric(part.get(column, pd.Series(dtype=float)), errors="coerce")
+                row[f"{name}_{phase}"] = float(values.mean()) if values.notna().any() else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def figure_builders(data: ReportData) -> dict[str, object]:
@@ -117,6 +142,7 @@ def figure_builders(data: ReportData) -> dict[str, object]:
         "peak_memory": lambda: figures.peak_memory(data.results),
         "loss_curves": lambda: figures.loss_curves(data.histories, data.results),
         "dropped_fraction": lambda: figures.dropped_fraction(data.histories, data.results),
+        "expert_load_over_steps": lambda: figures.load_over_steps(data.histories, data.results, ROUTING_PHASES),
         "synthetic_vs_real": lambda: figures.synthetic_vs_real(data.results),
     }
     for sweep, loads in data.loads.items():
@@ -140,6 +166,7 @@ _WHY_MISSING = {
     "peak_memory": "no ok rows with peak_memory_bytes",
     "loss_curves": f"no sweep with one ok point per path and >= {MIN_CURVE_STEPS} logged steps",
     "dropped_fraction": "no dense_cf history in a path-comparison sweep",
+    "expert_load_over_steps": "no history with load_max_over_mean in a path-comparison sweep",
     "synthetic_vs_real": "no sweep varies dataset (e.g. experiments/sweeps/gpu_synthetic_vs_real.yaml)",
     "expert_load": "no record with expert_load in a path-comparison sweep",
     "kernel_tflops": "no experiments/results/kernels_<device>.csv table with shape, impl, tflops",
@@ -173,6 +200,8 @@ def results_markdown(frame: pd.DataFrame) -> str:
         "sweep": "sweep", "path": "path", "per_device_batch": "batch/device", "dataset": "data",
         "steps": "steps", "status": "status", "tgs": "TGS (tok/dev/s)", "peak_gib": "peak mem (GiB)",
         "final_loss": "final loss", "final_eval_loss": "eval loss", "dropped_fraction_mean": "dropped",
+        "dropped_init": "dropped, first 5% of steps", "dropped_late": "dropped, last 25%",
+        "load_init": "load max/mean, first 5%", "load_late": "load max/mean, last 25%",
         "device_kind": "device",
     }
     frame = frame.copy()
