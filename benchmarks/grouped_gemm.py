@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import csv
-import datetime
 import math
-import os
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe import ops
+from turbo_moe.provenance import TABLE_COLUMNS
+from turbo_moe.provenance import collect as collect_provenance
 from turbo_moe.ops import _ffi
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,16 +280,12 @@ def run_permute(timer, args, rows):
 
 # ---- report ----------------------------------------------------------------------------------------------
 def provenance(args) -> dict:
-    dev = jax.devices()[0]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except Exception:
-        commit = ""
-    return dict(device=dev.device_kind, jax=jax.__version__, commit=os.environ.get("TURBO_MOE_GIT_COMMIT", commit or "unknown"),
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-                params=f"bf16 warmup={args.warmup} reps={args.reps} median; skewed=Dirichlet(2) seed 0; "
-                       f"timer=cuda events on XLA stream")
+    """The table columns of the package's provenance schema, which grouped GEMM the library holds, and
+    how this benchmark timed."""
+    prov = collect_provenance()
+    return {**{k: prov[k] for k in TABLE_COLUMNS}, "grouped_gemm": prov["grouped_gemm"],
+            "params": f"bf16 warmup={args.warmup} reps={args.reps} median; skewed=Dirichlet(2) seed 0; "
+                      "timer=cuda events on XLA stream"}
 
 
 def geomean(xs):
@@ -373,10 +368,10 @@ def main():
     run_gemms(timer, shapes, args.routings.split(","), args, rows)
     if not args.skip_permute:
         run_permute(timer, args, rows)
-    device_tag = prov["device"].lower().replace(" ", "_").replace("nvidia_", "")
+    device_tag = prov["device_kind"].lower().replace(" ", "_").replace("nvidia_", "")
     out = Path(args.out) if args.out else REPO / "experiments" / "results" / f"kernels_{device_tag}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["device", "jax", "commit", "date", "params", "shape", "M", "K", "N", "G", "routing", "op", "impl",
+    fields = [*TABLE_COLUMNS, "grouped_gemm", "params", "shape", "M", "K", "N", "G", "routing", "op", "impl",
               "ms", "tflops", "bound_tflops", "gbps", "extra_mib", "status"]
     with open(out, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)

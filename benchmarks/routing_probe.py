@@ -26,12 +26,9 @@ Results: printed, and saved to experiments/results/routing_probe/<name>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +42,7 @@ from flax import nnx
 from turbo_moe.data import BatchIterator, load_dataset
 from turbo_moe.model import DeepSeekModel, get_config, lm_loss, update_router_bias
 from turbo_moe.model import router as router_mod
+from turbo_moe.provenance import collect as collect_provenance
 from turbo_moe.train import TrainConfig
 from turbo_moe.train.step import make_optimizer
 
@@ -241,13 +239,9 @@ def main(argv=None):
     name = args.name or f"{args.variant}_{args.dataset}_s{args.seed}"
     out = Path(args.out_dir) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    commit = os.environ.get("TURBO_MOE_GIT_COMMIT") or subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     out.write_text(json.dumps({
         "name": name, "args": vars(args), "model_config": cfg.to_dict(), "train_config": tc.to_dict(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": commit, "jax_version": jax.__version__, "device": jax.devices()[0].device_kind,
-        "history": history, "summary": summarize(history),
+        **collect_provenance(), "history": history, "summary": summarize(history),
     }, indent=1, default=str))
     print(json.dumps(summarize(history), indent=1))
     print("saved", out)

@@ -35,13 +35,13 @@ from typing import Any
 
 import pandas as pd
 
-# Statuses a point can end with. "error" points are retried on re-run; so are "skipped" ones (not run
-# because a smaller point of the spec's oom_frontier ran out of memory). The others are final.
-STATUSES = ("ok", "oom", "nan", "error", "skipped")
-FINAL_STATUSES = ("ok", "oom", "nan")
+from turbo_moe import provenance
+# Statuses a point can end with ("error" and "skipped" points are retried on re-run; FINAL ones are not).
+from turbo_moe.status import FINAL_STATUSES, STATUSES  # noqa: F401
+
 # Columns that lead every table, in this order; parameters follow, then summary and provenance fields.
 LEAD_COLUMNS = ("sweep", "point", "point_key", "status", "error")
-PROVENANCE_COLUMNS = ("device_kind", "device_count", "platform", "jax_version", "git_commit", "date")
+PROVENANCE_COLUMNS = provenance.TABLE_COLUMNS
 TAIL_COLUMNS = ("elapsed_s", "record", "notebook_out")
 
 
@@ -272,6 +272,13 @@ def load_record(path: str | Path | None) -> dict[str, Any] | None:
 
 def load_kernel_tables(results_dir: str | Path) -> pd.DataFrame:
     """Concatenate ``kernels_<device>.csv`` benchmark tables (empty frame if there are none)."""
-    frames = [read_table(p).assign(table=p.stem) for p in sorted(Path(results_dir).glob("kernels_*.csv"))]
+    frames = [_schema_columns(read_table(p)).assign(table=p.stem)
+              for p in sorted(Path(results_dir).glob("kernels_*.csv"))]
     frames = [f for f in frames if not f.empty]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _schema_columns(table: pd.DataFrame) -> pd.DataFrame:
+    """Old benchmark tables spelled provenance ``device``/``jax``/``commit``: rename to the schema's names."""
+    renames = {old: new for old, new in provenance.LEGACY_NAMES.items() if old in table and new not in table}
+    return table.rename(columns=renames)

@@ -20,14 +20,10 @@ run again.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import fnmatch
 import glob
-import importlib.metadata
 import os
 import platform
-import re
-import subprocess
 import time
 import warnings
 from collections.abc import Callable
@@ -39,12 +35,10 @@ from tqdm.auto import tqdm
 from turbo_moe.experiments import results
 from turbo_moe.experiments.lock import SweepLock
 from turbo_moe.experiments.spec import SweepPoint, SweepSpec, params_key
+from turbo_moe.provenance import collect as collect_provenance
+from turbo_moe.provenance import table_columns
+from turbo_moe.status import is_oom
 
-_OOM_PATTERN = re.compile(r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b", re.IGNORECASE)
-# A full disk also comes back as RESOURCE_EXHAUSTED (tensorstore, absl): that is not memory, so the
-# point must stay retryable (an `oom` is final and feeds the OOM frontier).
-_DISK_PATTERN = re.compile(r"No space left on device|ENOSPC|Disk quota exceeded|EDQUOT|File too large",
-                           re.IGNORECASE)
 # RunResult.summary keys copied into each row (any other summary keys are copied too, after these).
 SUMMARY_FIELDS = (
     "tgs", "mfu", "peak_memory_bytes", "memory_source", "compiled_temp_bytes", "final_loss",
@@ -284,7 +278,7 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
     message = f"{ename}: {evalue}".strip()
     if type(exc).__name__ == "DeadKernelError":
         message += " (the kernel died; a host out-of-memory kill is a common cause)"
-    status = "oom" if _OOM_PATTERN.search(message) and not _DISK_PATTERN.search(message) else "error"
+    status = "oom" if is_oom(message) else "error"
     return status, message[:2000]
 
 
@@ -322,39 +316,7 @@ def provenance(from_record: dict[str, Any]) -> dict[str, Any]:
     The sweep process never initialises a JAX backend itself (on a GPU that would take the memory the
     notebook kernel needs), so a point that failed before writing a record has no device kind.
     """
-    fallback = {
-        "device_kind": None,
-        "device_count": None,
-        "platform": None,
-        "jax_version": _package_version("jax"),
-        "git_commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    return {k: from_record.get(k, fallback[k]) or fallback[k] for k in results.PROVENANCE_COLUMNS}
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def git_commit(cwd: str | Path | None = None) -> str | None:
-    """Short commit of the working tree (with ``-dirty`` when modified), or None outside git.
-    ``$TURBO_MOE_GIT_COMMIT`` names it where the tree is a copy without ``.git``."""
-    if os.environ.get("TURBO_MOE_GIT_COMMIT"):
-        return os.environ["TURBO_MOE_GIT_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=10"],
-            cwd=cwd or Path(__file__).parent, capture_output=True, text=True, timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+    return table_columns(from_record, collect_provenance(devices=False))
 
 
 def host_description() -> str:

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import datetime
-import errno
 import math
-import platform
-import re
-import os
 import resource
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import jax
 import numpy as np
+
+from turbo_moe.provenance import collect as collect_provenance
+# One OOM detector for runs and sweeps; re-exported here, where the training loop looks for it.
+from turbo_moe.status import is_oom, requested_bytes  # noqa: F401
 
 # Dense (no structured sparsity) bf16 tensor-core peak per device, from vendor datasheets.
 # Matched in order by substring of `device.device_kind`, so specific names come first.
@@ -131,71 +128,6 @@ def compiled_memory(compiled) -> dict[str, int]:
     return out
 
 
-_OOM_MARKERS = ("resource_exhausted", "out of memory", "failed to allocate", "oom when allocating")
-_BYTES = re.compile(r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b")
-_UNIT = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-         "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-
-
-# A full disk reaches us as RESOURCE_EXHAUSTED too (tensorstore/absl status codes): that is storage, not
-# memory, and must not become `oom` (final in a sweep, and it feeds the OOM frontier).
-_STORAGE_MARKERS = ("no space left on device", "disk quota exceeded", "file too large",
-                    "os_error_code='28'", "os_error_code='122'", "os_error_code='27'")
-_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def is_oom(error: BaseException) -> bool:
-    """Device or host memory ran out (an allocator error, MemoryError); never a full disk or a checkpoint failure."""
-    chain, seen = [], set()
-    node: BaseException | None = error
-    while node is not None and id(node) not in seen:  # the error and what caused it
-        seen.add(id(node))
-        chain.append(node)
-        node = node.__cause__ or node.__context__
-    for e in chain:
-        if (isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS) or type(e).__name__ == "CheckpointError" \
-                or any(m in str(e).lower() for m in _STORAGE_MARKERS):
-            return False
-    return isinstance(error, MemoryError) or any(m in str(error).lower() for m in _OOM_MARKERS)
-
-
-def requested_bytes(message: str) -> int | None:
-    """The allocation size an OOM message reports (the largest byte figure in it), if any."""
-    sizes = [float(v) * _UNIT[u] for v, u in _BYTES.findall(message)]
-    return int(max(sizes)) if sizes else None
-
-
 def provenance(config: dict, model_config: dict, dataset_info: dict) -> dict[str, Any]:
-    devices = jax.devices()
-    import flax
-    import optax
-
-    return {
-        "device_kind": devices[0].device_kind, "device_count": len(devices),
-        "local_device_count": jax.local_device_count(), "process_count": jax.process_count(),
-        "platform": devices[0].platform, "jax_version": jax.__version__, "flax_version": flax.__version__,
-        "optax_version": optax.__version__, "python_version": platform.python_version(),
-        **_git_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(), "config": config, "model_config": model_config,
-        "dataset": dataset_info,
-    }
-
-
-def _git_info() -> dict[str, Any]:
-    """The commit of this checkout; ``$TURBO_MOE_GIT_COMMIT`` names it where the tree is a copy without
-    ``.git`` (a GPU machine that received the working tree, say)."""
-    if os.environ.get("TURBO_MOE_GIT_COMMIT"):
-        return {"git_commit": os.environ["TURBO_MOE_GIT_COMMIT"], "git_dirty": None}
-    repo = Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str | None:
-        try:
-            proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return proc.stdout.strip() if proc.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"git_commit": commit or "unknown (not a git checkout or no commit yet)",
-            "git_dirty": bool(status) if status is not None else None}
+    """The run's provenance (`turbo_moe.provenance` schema) plus what was run: config, model, dataset."""
+    return {**collect_provenance(), "config": config, "model_config": model_config, "dataset": dataset_info}

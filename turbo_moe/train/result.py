@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-STATUSES = ("ok", "oom", "nan", "error")
+from turbo_moe.status import RUN_STATUSES as STATUSES  # the one status list
 
 
 @dataclasses.dataclass
