@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,17 +64,6 @@ SMOKE_SIZES = dict(  # a tiny `reduced`-like model: same routing proportions, CP
     q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     max_seq_len=64, remat_policy="none", dtype="float32",
 )
-
-
-def git_commit() -> str:
-    if os.environ.get("TURBO_MOE_GIT_COMMIT"):
-        return os.environ["TURBO_MOE_GIT_COMMIT"]
-    try:
-        proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        return proc.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
 
 
 def parse_paths(text: str) -> list[tuple[str, float]]:
@@ -159,6 +145,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import jax
+    from turbo_moe.provenance import collect as collect_provenance
     from turbo_moe.train import TrainConfig, run
 
     overrides: dict = {"vocab_size": args.vocab}
@@ -184,9 +171,7 @@ def main(argv=None) -> int:
         "script": "benchmarks/routing_balance_gpu.py", "argv": sys.argv[1:], "parameters": vars(args) | {
             "drop_window": list(args.drop_window)},
         "model_overrides": overrides, "recipes": {r: RECIPES[r] for r in recipes},
-        "step_uses_bias_schedule": step_uses_bias_schedule(), "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
-        "platform": jax.devices()[0].platform, "jax_version": jax.__version__, "git_commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "step_uses_bias_schedule": step_uses_bias_schedule(), **collect_provenance(),
         "targets": {"T1": f"max/mean load <= 2.0 in every MoE layer (MTP incl.) from step {args.balanced_from}",
                     "T2": f"dense_cf mean dropped fraction over steps {args.drop_window[0]}-"
                           f"{args.drop_window[1]} <= 0.10"},
