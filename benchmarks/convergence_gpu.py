@@ -146,7 +146,10 @@ def write_outputs(out: Path, figure: Path | None) -> str:
     (out / "summary.md").write_text(f"dataset {dataset}; {footer}\n\n{text}\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if figure is not None and rows:
-        C.plot_convergence(records, figure, footer=footer)
+        try:
+            C.plot_convergence(records, figure, footer=footer)
+        except ImportError as e:  # a GPU machine without matplotlib: draw it later with --analyze-only
+            print(f"figure not drawn ({e}); the records are complete", flush=True)
     return text
 
 

@@ -20,13 +20,15 @@ from typing import Iterable, Sequence
 import numpy as np
 from scipy import stats
 
-from turbo_moe.experiments.figures import path_label
-
 BASELINE = "turbo"
 
 
 def run_label(record: dict) -> str:
-    return path_label(record["path"], record.get("capacity_factor") if record["path"] == "dense_cf" else None)
+    """``turbo`` / ``dense_cf (cf=1.25)``, as the report's figures spell paths (figures.path_label; not
+    imported: this module must run where only jax and numpy are installed, e.g. the GPU machine)."""
+    if record["path"] == "dense_cf" and record.get("capacity_factor") is not None:
+        return f"dense_cf (cf={float(record['capacity_factor']):g})"
+    return str(record["path"])
 
 
 def load_records(directory: str | Path) -> list[dict]:
