@@ -15,8 +15,9 @@ Output (--out), written as each run finishes, so an interrupted call keeps the f
                       t-intervals (turbo_moe.experiments.convergence), refreshed after every run
   convergence.png     eval loss vs tokens with t-bands, and the penalty with its Welch band (--figure)
 Resumable: runs whose record says "ok" are skipped. --max-seconds: no run starts that would not end
-before that many seconds after start (estimated from the runs of this call; a new path is assumed to
-take 1.6x the slowest run so far: it compiles afresh and dense_cf runs up to 2x slower than turbo).
+before that many seconds after start (estimated from the runs of this call: a path run before takes its
+wall time less its compile time; a new path 1.6x the slowest run so far, as it compiles afresh and
+dense_cf runs up to 2x slower than turbo).
 
 GPU (one H100, ~8-9 min with compilation; see experiments/NOTES.md "Convergence run"):
   source benchmarks/gpu_env.sh && TURBO_MOE_GIT_COMMIT=<commit> python benchmarks/convergence_gpu.py \\
@@ -85,11 +86,14 @@ def step_rows(history: list[dict]) -> dict[str, list]:
     return {k: [h.get(k) for h in history] for k in keys}
 
 
-def estimate_seconds(path_key: tuple[str, float], walls: dict[tuple[str, float], float]) -> float:
-    """Expected wall time of the next run of ``path_key`` from this call's finished runs (0: no basis)."""
+def estimate_seconds(path_key: tuple[str, float], walls: dict[tuple[str, float], tuple[float, float]]) -> float:
+    """Expected wall time of the next run of ``path_key`` from this call's finished runs, given as
+    (wall s, compile s) per path (0: no basis). A path run before reuses its compiled programs (the
+    persistent cache): its wall less its compile time; a new path: 1.6x the slowest wall so far."""
     if path_key in walls:
-        return walls[path_key]
-    return NEW_PATH_FACTOR * max(walls.values()) if walls else 0.0
+        wall, compile_s = walls[path_key]
+        return wall - (compile_s if math.isfinite(compile_s) else 0.0)
+    return NEW_PATH_FACTOR * max(w for w, _ in walls.values()) if walls else 0.0
 
 
 def train_one(args, overrides: dict, path: str, cf: float, seed: int) -> dict:
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     paths = parse_paths(args.paths)
     seeds = [int(s) for s in args.seeds.split(",")]
-    walls: dict[tuple[str, float], float] = {}
+    walls: dict[tuple[str, float], tuple[float, float]] = {}
     failed = 0
     for seed in seeds:
         for path, cf in paths:
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
                       f"{args.max_seconds:g} (a later call resumes it)", flush=True)
                 continue
             record = train_one(args, overrides, path, cf, seed)
-            walls[(path, cf)] = record["wall_s"]
+            walls[(path, cf)] = (record["wall_s"], float(record["summary"].get("compile_time_s") or 0.0))
             tmp = record_file.with_suffix(".partial")
             tmp.write_text(json.dumps(record, indent=1, default=str))
             tmp.replace(record_file)

@@ -85,8 +85,8 @@ def test_figure_and_outputs_from_records(tmp_path):
 
 def test_budget_estimate_and_helpers():
     assert bench.estimate_seconds(("turbo", 0.0), {}) == 0.0  # the first run always starts
-    walls = {("turbo", 0.0): 100.0}
-    assert bench.estimate_seconds(("turbo", 0.0), walls) == 100.0
+    walls = {("turbo", 0.0): (100.0, 40.0)}
+    assert bench.estimate_seconds(("turbo", 0.0), walls) == 60.0  # compiled programs come from the cache
     assert bench.estimate_seconds(("dense_cf", 1.0), walls) == pytest.approx(160.0)
     assert bench.parse_paths("turbo,dense_cf:1.25") == [("turbo", 0.0), ("dense_cf", 1.25)]
     history = [{"step": 0, "eval_loss": math.nan, "loss": 9.0, "ce_loss": 8.0, "dropped_fraction": 0.1,
