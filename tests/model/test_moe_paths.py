@@ -1,4 +1,4 @@
-"""The three MoE paths: same outputs and gradients when nothing drops; MaxText dropping for dense_cf."""
+"""The MoE paths of the table: same outputs and gradients when nothing drops; MaxText dropping for dense_cf."""
 
 import functools
 
@@ -7,10 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ALL_PATHS
+from tests.model.path_cases import fake_pallas, needs  # noqa: F401  (fake_pallas: a fixture)
 from turbo_moe.model import ExpertWeights, get_config, moe_path_fn
-from turbo_moe.model.moe_dense_cf import dense_cf_experts, expert_capacity
+from turbo_moe.model.config import MOE_PATHS
+from turbo_moe.model.paths import ONE_DEVICE, PATHS, expert_capacity
 from turbo_moe.model.router import Routing, route
+
+
+# Every one-device row of the table; `pallas` runs through CPU fakes of the Mosaic-GPU kernels here.
+ONE_DEVICE_PATHS = [pytest.param(p, marks=needs(PATHS[(p, ONE_DEVICE)])) for p in MOE_PATHS]
 
 TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=5e-2, atol=3e-2)}
 
@@ -60,8 +65,12 @@ def reference_loss_and_grads(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("path", ALL_PATHS)
-def test_paths_match_reference_outputs_and_grads(path, dtype):
+@pytest.mark.parametrize("path", ONE_DEVICE_PATHS)
+def test_paths_match_reference_outputs_and_grads(path, dtype, request):
+    if PATHS[(path, ONE_DEVICE)].gemm == "pallas":
+        if dtype == jnp.float32:
+            pytest.skip("the Pallas Mosaic-GPU GEMM computes in bfloat16/float16")
+        request.getfixturevalue("fake_pallas")
     x, routing, weights, cotangent = make_case()
     capacity_factor = float(weights.n_experts)  # capacity >= seq_len: nothing can drop
     fn = moe_path_fn(path, capacity_factor)
@@ -81,7 +90,7 @@ def test_paths_match_reference_outputs_and_grads(path, dtype):
 
 def test_dense_cf_without_capacity_computes_every_expert():
     x, routing, weights, _ = make_case(seed=1)
-    y, stats = jax.jit(functools.partial(dense_cf_experts, capacity_factor=0.0))(x, routing, weights)
+    y, stats = jax.jit(moe_path_fn("dense_cf", 0.0))(x, routing, weights)
     np.testing.assert_allclose(y, reference_experts(x, routing, weights), rtol=1e-5, atol=1e-5)
     assert float(stats.dropped_fraction) == 0.0
 
@@ -112,7 +121,7 @@ def test_dense_cf_drops_exactly_the_maxtext_overflow(cf, kept):
     routing = Routing(ids, route_weights, jnp.zeros((1, 4, e)))
     weights = ExpertWeights(jax.random.normal(keys[2], (e, d, 2 * f)), jax.random.normal(keys[3], (e, f, d)))
 
-    fn = functools.partial(dense_cf_experts, capacity_factor=cf)
+    fn = moe_path_fn("dense_cf", cf)
     y, stats = jax.jit(fn)(x, routing, weights)
     kept = jnp.array([kept], jnp.float32)
     want = reference_experts(x, routing._replace(weights=route_weights * kept), weights)
@@ -125,3 +134,31 @@ def test_dense_cf_drops_exactly_the_maxtext_overflow(cf, kept):
     fully_dropped = np.asarray(kept[0].sum(-1) == 0)
     assert np.all(np.asarray(grad_x[0])[fully_dropped] == 0.0)
     assert np.all(np.abs(np.asarray(grad_x[0])[~fully_dropped]).sum(-1) > 0.0)
+
+
+def test_table_has_one_row_per_path_and_exchange():
+    from turbo_moe.model.config import EP_EXCHANGES
+    from turbo_moe.model.exchanges import capacity_exchange, permute_exchange, sort_exchange  # noqa: F401
+    from turbo_moe.model.gemms import GEMMS
+    from turbo_moe.model.paths import EP_WRAPPERS, LOCAL_EXCHANGES
+
+    assert set(PATHS) == {(p, e) for p in MOE_PATHS for e in (ONE_DEVICE,) + EP_EXCHANGES}
+    for (path, exchange), row in PATHS.items():
+        assert row.exchange in LOCAL_EXCHANGES and row.gemm in GEMMS, (path, exchange)
+        assert (row.ep_wrapper is None) == (exchange == ONE_DEVICE), (path, exchange)
+        assert row.ep_wrapper is None or row.ep_wrapper in EP_WRAPPERS
+
+
+def test_pallas_path_needs_a_hopper_gpu():
+    """On the CPU (or any non-Hopper device) the pallas path says what it needs, at trace time."""
+    x, routing, weights, _ = make_case()
+    with pytest.raises(ValueError, match="moe_path='pallas'.*Hopper GPU"):
+        jax.jit(moe_path_fn("pallas", 1.0))(x.astype(jnp.bfloat16), routing, weights)
+    with pytest.raises(ValueError, match="dtype"):
+        get_config("tiny", moe_path="pallas", dtype="float32")
+
+
+def test_pallas_path_rejects_float32(fake_pallas):
+    x, routing, weights, _ = make_case()
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        jax.jit(moe_path_fn("pallas", 1.0))(x, routing, weights)

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any, Mapping
 
-MOE_PATHS = ("dense_cf", "ragged", "turbo")
+MOE_PATHS = ("dense_cf", "ragged", "turbo", "pallas")  # each has its rows in turbo_moe.model.paths.PATHS
 EP_EXCHANGES = ("deepep", "ragged_all_to_all")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -258,6 +258,8 @@ def _validate(c: ModelConfig) -> None:
              f"must be even (RoPE rotates pairs), got {c.qk_rope_head_dim}")
     _require(c.moe_path in MOE_PATHS, "moe_path", f"unknown path {c.moe_path!r}; expected one of {MOE_PATHS}")
     _require(c.dtype in COMPUTE_DTYPES, "dtype", f"got {c.dtype!r}; expected one of {COMPUTE_DTYPES}")
+    _require(c.moe_path != "pallas" or c.dtype in ("bfloat16", "float16"), "dtype",
+             f"moe_path='pallas' (Mosaic-GPU wgmma kernels) computes in bfloat16 or float16, got {c.dtype!r}")
     _require(c.param_dtype in PARAM_DTYPES, "param_dtype",
              f"got {c.param_dtype!r}; expected one of {PARAM_DTYPES}")
     _require(c.remat_policy in REMAT_POLICIES, "remat_policy",

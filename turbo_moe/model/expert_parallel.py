@@ -1,4 +1,4 @@
-"""Expert parallelism: the three MoE paths inside `shard_map`, routed experts split over an `expert` axis.
+"""Expert parallelism: the MoE paths inside `shard_map`, routed experts split over an `expert` axis.
 
     path = ep_moe_path("turbo", mesh=mesh, ep_exchange="deepep")   # mesh axes e.g. ("data", "expert")
     y, stats = path(x, routing, weights)   # same signature and results as the one-device path
@@ -8,17 +8,14 @@ Tokens (the batch dim B) are split over every mesh axis; the routed experts' wei
 axes (their gradients are summed over those axes by shard_map's autodiff). Stats are summed over
 every rank, so `expert_load` and `dropped_fraction` equal the one-device values.
 
-Exchanges (all with static worst-case buffers; no count ever goes to the host):
-- dense_cf: capacity slots (E, B, C, D) through `all_to_all` (MaxText dense_matmul + EP).
-- ragged: `ragged_all_to_all` of copies sorted by expert (MaxText sparse_matmul + EP).
-- turbo: ep_exchange="deepep" -> turbo_moe.ops.moe_dispatch/moe_combine (one row per token and
-  destination rank; ep_capacity_factor in (0, 1) caps the slots, overflow counted as dropped), or
-  ep_exchange="ragged_all_to_all" -> the ragged exchange with the turbo kernels.
+Each path's exchange and GEMM come from its (moe_path, ep_exchange) row of `paths.PATHS`: dense_cf
+moves capacity slots with `all_to_all`, ragged uses the ragged exchange whatever ep_exchange says,
+turbo and pallas take ep_exchange="deepep" (moe_dispatch/moe_combine; ep_capacity_factor in (0, 1) caps
+the slots, overflow counted as dropped) or "ragged_all_to_all". All buffers are static worst cases.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -27,13 +24,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
-from turbo_moe.model.ep_exchange import default_impl
-from turbo_moe.model.ep_local import dense_cf_ep_local, deepep_capacity, turbo_deepep_local
-from turbo_moe.model.ep_ragged import ragged_ep_local, turbo_ragged_ep_local
+from turbo_moe.model.ep_exchange import deepep_capacity, default_impl
 from turbo_moe.model.experts import ExpertStats, ExpertWeights
+from turbo_moe.model.gemms import require
+from turbo_moe.model.paths import build_exchange, path_row, run_exchange
 from turbo_moe.model.router import Routing
+from turbo_moe.ops.varying import make_varying
 
-EP_PATHS = MOE_PATHS
 EXPERT_AXIS = "expert"
 
 
@@ -66,39 +63,11 @@ def _platform(mesh) -> str:
     return jax.default_backend()  # an abstract (ambient) mesh names no devices
 
 
-def _local_body(path: str, *, n_experts: int, axis_name: str, capacity_factor: float, ep_exchange: str,
-                ep_capacity_factor: float, impl: str) -> Callable:
-    """The per-rank function (x (B, S, D), ids, combine_w (B, S, k), w_local) -> (y, copies computed)."""
-    kw = dict(n_experts=n_experts, axis_name=axis_name)
-    if path == "dense_cf":
-        return functools.partial(dense_cf_ep_local, capacity_factor=capacity_factor, **kw)
-    if path == "ragged":
-        token_fn = functools.partial(ragged_ep_local, impl=impl, **kw)
-    elif ep_exchange == "ragged_all_to_all":
-        token_fn = functools.partial(turbo_ragged_ep_local, impl=impl, **kw)
-    else:
-        token_fn = None
-
-    def per_token(x, ids, combine_w, w_local):
-        b, s, d = x.shape
-        tokens, ids, combine_w = x.reshape(b * s, d), ids.reshape(b * s, -1), combine_w.reshape(b * s, -1)
-        if token_fn is not None:
-            y, done = token_fn(tokens, ids, combine_w, w_local)
-        else:
-            capacity = deepep_capacity(b * s, ep_capacity_factor)
-            y, done = turbo_deepep_local(tokens, ids, combine_w, w_local, capacity=capacity, **kw)
-        return y.reshape(b, s, d), done
-
-    return per_token
-
-
 def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
     """Expert weights typed as varying over every mesh axis, like the tokens they meet.
 
     They are replicated over the non-expert axes; this cast's transpose sums their gradients over
     those axes. Doing it here also gives the FFI ops' custom_vjps operands of one varying type."""
-    from turbo_moe.ops._ffi import make_varying
-
     return ExpertWeights(*(make_varying(a, frozenset(axes)) for a in w))
 
 
@@ -110,10 +79,11 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
     the number of devices and E by the expert-axis size. exchange_impl: "native" ragged_all_to_all or
     the "emulated" one (CPU); default by the mesh's platform.
     """
-    if path not in EP_PATHS:
-        raise ValueError(f"path: unknown MoE path {path!r}; expected one of {EP_PATHS}")
+    if path not in MOE_PATHS:
+        raise ValueError(f"path: unknown MoE path {path!r}; expected one of {MOE_PATHS}")
     if ep_exchange not in EP_EXCHANGES:
         raise ValueError(f"ep_exchange: got {ep_exchange!r}; expected one of {EP_EXCHANGES}")
+    row = path_row(path, ep_exchange)
     if not (isinstance(ep_capacity_factor, (int, float)) and math.isfinite(ep_capacity_factor)):
         raise ValueError(f"ep_capacity_factor: must be a finite number, got {ep_capacity_factor!r}")
     mesh = _mesh_or_ambient(mesh)
@@ -133,11 +103,13 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
         if b % n_devices:
             raise ValueError(f"x: batch {b} must be divisible by the {n_devices} devices of the mesh "
                              f"{dict(mesh.shape)}")
-        body = _local_body(path, n_experts=n_experts, axis_name=expert_axis, capacity_factor=capacity_factor,
-                           ep_exchange=ep_exchange, ep_capacity_factor=ep_capacity_factor, impl=impl)
+        require(row.gemm, path)
+        exchange = build_exchange(row, seq_len=s, capacity_factor=capacity_factor, axis_name=expert_axis,
+                                  impl=impl, capacity=deepep_capacity(b * s // n_devices, ep_capacity_factor))
 
         def sharded(x, ids, combine_w, w):
-            y, done = body(x, ids, combine_w, _varying_like(w.astype(x.dtype), batch_axes))
+            w_local = _varying_like(w.astype(x.dtype), batch_axes)
+            y, done = run_exchange(exchange, row.gemm, x, ids, combine_w, w_local, n_experts)
             load = jnp.zeros((n_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)  # (E,) before drops
             load = jax.lax.psum(load, batch_axes)
             total = b * s * k  # every copy of the global batch

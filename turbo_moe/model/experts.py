@@ -1,6 +1,6 @@
-"""Routed-expert weights and the interface shared by the three MoE paths.
+"""Routed-expert weights, the expert FFN written once, and the interface shared by the MoE paths.
 
-A MoE path is a pure function
+A MoE path (built from its row of `turbo_moe.model.paths.PATHS`) is a pure function
     path(x (B, S, D), routing: Routing, weights: ExpertWeights) -> (y (B, S, D), ExpertStats)
 returning the weighted sum of the routed experts' outputs (shared experts not included). Expert weights
 keep the expert axis E leading so a later shard_map can split it over an `expert` mesh axis.
@@ -8,7 +8,7 @@ keep the expert axis E leading so a later shard_map can split it over an `expert
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,24 @@ def swiglu_fused(h: jax.Array) -> jax.Array:
     """silu(gate) * up for h (..., 2F) = [gate | up] -> (..., F)."""
     f = h.shape[-1] // 2
     return jax.nn.silu(h[..., :f]) * h[..., f:]
+
+
+# A grouped GEMM: (rows, w (E, K, N), group_sizes (E,) or None) -> rows @ w[expert of each row].
+GroupedGemm = Callable[[jax.Array, jax.Array, "jax.Array | None"], jax.Array]
+
+
+def expert_ffn(rows: jax.Array, weights: ExpertWeights, group_sizes: jax.Array | None,
+               gemm: GroupedGemm) -> jax.Array:
+    """The E SwiGLU experts on expert-sorted rows, for any grouped GEMM: gate+up GEMM -> SwiGLU -> down GEMM.
+
+    rows (M, D) sorted by expert with group_sizes (E,) rows each (or (E, ..., D) slots and None for the
+    batched einsum) -> (M, D) (or (E, ..., D)). gate and up are one GEMM to 2F (fused weights)."""
+    with jax.named_scope("grouped_gemm"):
+        h = gemm(rows, weights.w_gate_up, group_sizes)  # (M, 2F)
+    with jax.named_scope("swiglu"):
+        act = swiglu_fused(h)  # (M, F)
+    with jax.named_scope("grouped_gemm"):
+        return gemm(act, weights.w_down, group_sizes)  # (M, D)
 
 
 def routed_load(expert_ids: jax.Array, n_experts: int) -> jax.Array:

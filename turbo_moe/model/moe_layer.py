@@ -1,40 +1,24 @@
-"""MoE feed-forward: shared experts + routed experts through the configured path (chosen here only)."""
+"""MoE feed-forward: shared experts + routed experts through the configured path (`paths.PATHS`)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 from flax import nnx
 
-from turbo_moe.model.config import MOE_PATHS, ModelConfig
+from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.expert_parallel import data_parallel_moe_path, ep_moe_path, expert_axis_size, mesh_device_count
-from turbo_moe.model.experts import ExpertStats, ExpertWeights, RoutedExperts
+from turbo_moe.model.experts import RoutedExperts
 from turbo_moe.model.layers import SwiGLU
-from turbo_moe.model.moe_dense_cf import dense_cf_experts
-from turbo_moe.model.moe_ragged import ragged_experts
-from turbo_moe.model.moe_turbo import turbo_experts
-from turbo_moe.model.router import Router, Routing, sequence_balance_loss
-
-MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, ExpertStats]"]
+from turbo_moe.model.paths import moe_path_fn
+from turbo_moe.model.router import Router, sequence_balance_loss
 
 
 class LayerStats(NamedTuple):
     expert_load: jax.Array  # (E,) float32
     dropped_fraction: jax.Array  # () float32
     balance_loss: jax.Array  # () float32, sequence-wise, without its weight
-
-
-def moe_path_fn(path: str, capacity_factor: float) -> MoEPath:
-    """The one place that maps `moe_path` to its implementation."""
-    if path == "dense_cf":
-        return functools.partial(dense_cf_experts, capacity_factor=capacity_factor)
-    if path == "ragged":
-        return ragged_experts
-    if path == "turbo":
-        return turbo_experts
-    raise ValueError(f"moe_path: unknown path {path!r}; expected one of {MOE_PATHS}")
 
 
 class MoELayer(nnx.Module):
