@@ -118,6 +118,25 @@ def test_proportional_bias_update_moves_by_the_relative_load_gap():
         updated_bias(bias, load, 0.1, "signum")
 
 
+def test_proportional_update_undoes_a_large_level_gap_in_a_few_steps():
+    """One expert sits far above the rest for every token (the warm-up collapse, experiments/NOTES.md):
+    the sign rule covers the gap at `rate` per step, the proportional rule at rate * (load/mean - 1)."""
+    cfg = get_config("tiny", n_experts=16, n_groups=1, topk_groups=1, top_k=2)
+    noise = jax.random.normal(jax.random.key(0), (512, 16)) * 0.05
+    scores = jax.nn.sigmoid(noise.at[:, 3].add(1.5))  # (T, E); expert 3 is 0.3 above the others
+
+    def ratio_after(rule, steps=10):
+        bias = jnp.zeros(16)
+        for _ in range(steps):
+            load = jnp.bincount(route(scores, bias, cfg).expert_ids.reshape(-1), length=16).astype(jnp.float32)
+            bias = updated_bias(bias, load, 1e-2, rule)
+        load = jnp.bincount(route(scores, bias, cfg).expert_ids.reshape(-1), length=16)
+        return float(load.max() / load.mean())
+
+    assert ratio_after("sign") > 6.0
+    assert ratio_after("proportional") < 2.0
+
+
 def test_router_lr_scale_keeps_the_gate_and_scales_its_adam_steps():
     import optax
 
