@@ -239,9 +239,13 @@ def main(argv=None):
     name = args.name or f"{args.variant}_{args.dataset}_s{args.seed}"
     out = Path(args.out_dir) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        provenance = collect_provenance()
+    except Exception as err:  # noqa: BLE001  (minutes of probe history must not be lost to a provenance bug)
+        provenance = {"provenance_error": repr(err)}
     out.write_text(json.dumps({
         "name": name, "args": vars(args), "model_config": cfg.to_dict(), "train_config": tc.to_dict(),
-        **collect_provenance(), "history": history, "summary": summarize(history),
+        **provenance, "history": history, "summary": summarize(history),
     }, indent=1, default=str))
     print(json.dumps(summarize(history), indent=1))
     print("saved", out)
