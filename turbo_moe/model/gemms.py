@@ -2,7 +2,7 @@
 
 - `ragged_dot`: `jax.lax.ragged_dot` (XLA; dense expansion on the GPU).
 - `turbo`: `turbo_moe.ops.grouped_gemm` (our FFI kernels; CPU and CUDA).
-- `einsum`: the batched einsum of capacity slots (E, ..., K) x (E, K, N); group_sizes is None.
+- `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None.
 - `pallas`: jax's Pallas Mosaic-GPU `ragged_dot_mgpu` (`turbo_moe.ops.pallas_gemm`; Hopper only).
 
 `require(name, moe_path)` raises at trace time when the devices cannot run a GEMM.
@@ -28,7 +28,7 @@ def turbo_gemm(rows, w, group_sizes):
 
 def einsum_gemm(slots, w, group_sizes):
     del group_sizes  # every slot of expert e is multiplied by w[e]; empty slots are zero rows
-    return jnp.einsum("e...k,ekn->e...n", slots, w)  # (E, B, C, K) x (E, K, N) -> (E, B, C, N)
+    return jnp.einsum("ebck,ekn->ebcn", slots, w)  # (E, B, C, K) x (E, K, N) -> (E, B, C, N)
 
 
 def pallas_gemm(rows, w, group_sizes):
