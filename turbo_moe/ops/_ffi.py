@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from turbo_moe.ops.varying import make_varying, match_varying, varying_axes  # noqa: F401  (the ops use them)
+
 # One name per handler, spelled the same in kernels/cpu/*.cc, kernels/cuda/*.cu and here.
 TARGETS = (
     "turbo_moe_grouped_gemm",
@@ -89,35 +91,6 @@ def ensure_registered() -> dict[str, str]:
         _register(cuda, "CUDA", required=False)
         registered["CUDA"] = str(cuda)
     return registered
-
-
-def varying_axes(x: Any) -> frozenset:
-    """Manual mesh axes (inside shard_map) over which `x` varies; empty outside shard_map."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def make_varying(x: Any, axes: frozenset) -> Any:
-    """Marks `x` as varying over `axes` (a no-op for axes it already varies over)."""
-    missing = tuple(sorted(axes - varying_axes(x)))
-    if not missing:
-        return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)
-
-
-def match_varying(grad: Any, primal: Any) -> Any:
-    """A custom_vjp cotangent typed like its primal input inside shard_map.
-
-    When a primal input is invariant over a mesh axis (replicated, e.g. expert weights over `data`)
-    but was used in per-shard computation, its gradient is the sum of the per-shard gradients.
-    """
-    extra = tuple(sorted(varying_axes(grad) - varying_axes(primal)))
-    return jax.lax.psum(grad, extra) if extra else grad
 
 
 def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any) -> Any:
