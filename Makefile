@@ -7,6 +7,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.turbo-moe-installed
+# This editable install stays on this machine, so its CPU kernels are tuned for it (a wheel built with
+# `pip wheel .` targets the portable baseline instead: experiments/NOTES.md, "CPU -march").
+CPU_ARCH ?= native
+PIP_BUILD := -C cmake.define.TURBO_MOE_CPU_ARCH=$(CPU_ARCH)
 
 .PHONY: main test setup demo
 
@@ -20,9 +24,9 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard kernels/*/*)
 	if command -v nvcc >/dev/null; then \
 	  $(BIN)/python -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0" && \
 	  cutlass=$$($(BIN)/python -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") && \
-	  $(BIN)/python -m pip install -q -e ".[dev]" -C cmake.define.TURBO_MOE_CUTLASS_INCLUDE=$$cutlass; \
+	  $(BIN)/python -m pip install -q -e ".[dev]" $(PIP_BUILD) -C cmake.define.TURBO_MOE_CUTLASS_INCLUDE=$$cutlass; \
 	else \
-	  $(BIN)/python -m pip install -q -e ".[dev]"; \
+	  $(BIN)/python -m pip install -q -e ".[dev]" $(PIP_BUILD); \
 	fi
 	$(BIN)/python -m ipykernel install --user --name turbo-moe --display-name "Python (turbo-moe)" >/dev/null
 	$(BIN)/python -c "import turbo_moe.ops as ops; print('turbo_moe kernels:', ops.ensure_registered())"

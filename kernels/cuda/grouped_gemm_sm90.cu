@@ -45,3 +45,7 @@ ffi::Error launch_weight_grad_sm90(const GroupedGemmArgs&, void*, size_t, int, c
 #endif
 
 }  // namespace turbo_moe
+
+// Which grouped GEMM this build holds (1: the Hopper CUTLASS kernels, 0: the portable ones only), for
+// turbo_moe/ops/_ffi.py `kernel_info()` and its warning on a Hopper GPU without the fast kernel.
+extern "C" int turbo_moe_grouped_gemm_has_sm90() { return turbo_moe::sm90_available() ? 1 : 0; }

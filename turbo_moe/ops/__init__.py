@@ -4,7 +4,7 @@
 - permute / unpermute: single-device dispatch/combine, each other's transposes.
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
 """
-from turbo_moe.ops._ffi import ensure_registered
+from turbo_moe.ops._ffi import ensure_registered, kernel_info
 from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
@@ -13,6 +13,7 @@ from turbo_moe.ops.unpermute import unpermute
 
 __all__ = [
     "ensure_registered",
+    "kernel_info",
     "grouped_gemm",
     "grouped_gemm_weight_grad",
     "permute",

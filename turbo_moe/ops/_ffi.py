@@ -90,7 +90,39 @@ def ensure_registered() -> dict[str, str]:
     if cuda is not None and _cuda_backend_present():
         _register(cuda, "CUDA", required=False)
         registered["CUDA"] = str(cuda)
+        _warn_if_hopper_without_sm90(cuda)
     return registered
+
+
+def _cuda_has_sm90(path: Path) -> bool | None:
+    """Whether the CUDA library holds the Hopper (CUTLASS) grouped GEMM; None for builds without the probe."""
+    probe = getattr(ctypes.CDLL(str(path)), "turbo_moe_grouped_gemm_has_sm90", None)
+    return None if probe is None else bool(probe())
+
+
+def _warn_if_hopper_without_sm90(path: Path) -> None:
+    """On a Hopper GPU (compute capability 9.x), a library without the sm90 kernel silently runs the
+    portable grouped GEMM, many times slower (experiments/NOTES.md): say so once, at first use."""
+    hopper = [d for d in jax.devices("cuda") if str(getattr(d, "compute_capability", "")).startswith("9")]
+    if hopper and _cuda_has_sm90(path) is False:
+        warnings.warn(
+            f"{path} was built without the Hopper (sm90, CUTLASS) grouped GEMM, so grouped_gemm runs the slow "
+            f"portable kernel on this {hopper[0].device_kind}. Rebuild with the CUTLASS headers "
+            "(`pip install --no-deps nvidia-cutlass` then reinstall turbo_moe, or set "
+            "-C cmake.define.TURBO_MOE_CUTLASS_INCLUDE=<cutlass>/include).", RuntimeWarning, stacklevel=3)
+
+
+def kernel_info() -> dict[str, str | None]:
+    """Which kernels this process uses: ``cpu`` and ``cuda`` (library paths, None when not registered) and
+    ``grouped_gemm`` on the first device: "cpu", "cuda_sm90" (Hopper CUTLASS + portable kernels),
+    "cuda_portable" (no Hopper kernel in this build) or "cuda_unknown" (a library older than the probe)."""
+    registered = ensure_registered()
+    cuda = registered.get("CUDA")
+    info = {"cpu": registered["cpu"], "cuda": cuda, "grouped_gemm": "cpu"}
+    if cuda is not None and jax.devices()[0].platform == "gpu":
+        has = _cuda_has_sm90(Path(cuda))
+        info["grouped_gemm"] = {True: "cuda_sm90", False: "cuda_portable", None: "cuda_unknown"}[has]
+    return info
 
 
 def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any) -> Any:

@@ -5,6 +5,10 @@
     result.summary["tgs"], result.history_frame()
 """
 
+from turbo_moe._extras import require
+
+require("turbo_moe.train")  # a clear ImportError naming the extra
+
 from turbo_moe.train.checkpoint import Checkpointer
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.loop import OutOfMemory, run
