@@ -13,11 +13,16 @@ Output (written as each run finishes, so an interrupted call keeps the finished 
                  load_L<i> (max/mean per router layer, MTP last), dropped_L<i> (when the loop reports them)
   runs.json      provenance (device, jax, git commit, date, parameters) + per-run summary + target checks
 
-GPU (one H100/H200, ~3 minutes with a warm compilation cache):
-  TURBO_MOE_GIT_COMMIT=<commit> python benchmarks/routing_balance_gpu.py --out /tmp/routing_balance
-CPU smoke test (tiny sizes, seconds to minutes):
-  python benchmarks/routing_balance_gpu.py --smoke --out /tmp/routing_balance_smoke
-Recipes (RECIPES below): --recipes bias1e-2 (default), or e.g. --recipes preset,bias1e-2 for before/after.
+Each run is one compile (~45 s on an H100) plus ~40-60 s of training: 5 runs fit a 10-minute call.
+The issue-13 check (2026-11-23; candidates ranked by the CPU probe, experiments/NOTES.md), one H100/H200,
+runs in order of importance and --budget-s leaves out the tail rather than the call's time limit cutting
+a run:
+  TURBO_MOE_GIT_COMMIT=$(git rev-parse HEAD) timeout 590 python benchmarks/routing_balance_gpu.py \
+      --out experiments/results/routing_balance_h100_2 --budget-s 520 \
+      --runs lrs0.02_prop/dense_cf:1.25,lrs0.02_prop/turbo,lrs_prop/dense_cf:1.25,prop/dense_cf:1.25,preset/dense_cf:1.25
+CPU smoke test (tiny sizes, minutes):
+  python benchmarks/routing_balance_gpu.py --smoke --out /tmp/routing_balance_smoke --runs lrs_prop/dense_cf:1.25
+Recipes (RECIPES below): --recipes a,b x --paths p,q (every pair), or --runs recipe/path[:cf],... in order.
 """
 
 from __future__ import annotations
@@ -41,12 +46,24 @@ REPO = Path(__file__).resolve().parents[1]
 # turbo_moe.model.router.bias_rate_at (the script records whether it does). "fanin": "sched" plus the
 # router kernel initialised with std d_model ** -0.5 (MaxText's gate init). "bal1e-2": balance loss
 # weight 1e-2 (MaxText / Megatron aux-loss default) with the preset's bias rate.
+# "lrs": the gate at a tenth of the learning rate (router_lr_scale 0.1); "lrs_bias1e-2" adds bias rate
+# 1e-2. "bal1e-1": balance loss weight 1e-1; "bal1e-2_bias1e-2": balance 1e-2 and bias rate 1e-2.
+# "prop": proportional bias update (router_bias_update) at rate 1e-2. "lrs_prop": lrs + prop;
+# "lrs0.02_prop": the same with router_lr_scale 0.02 (at d_model 1280 AdamW moves each gate logit up to
+# ~5x further per step than at the CPU probe's 256: 0.02 here ~ 0.1 there).
 RECIPES = {
     "preset": {},
     "bias1e-2": {"router_bias_rate": 1e-2},
     "sched": {"router_bias_rate_start": 1e-2, "router_bias_rate_decay_steps": 400},
     "fanin": {"router_bias_rate_start": 1e-2, "router_bias_rate_decay_steps": 400, "router_init_std": "fanin"},
     "bal1e-2": {"balance_loss_weight": 1e-2},
+    "bal1e-1": {"balance_loss_weight": 1e-1},
+    "bal1e-2_bias1e-2": {"balance_loss_weight": 1e-2, "router_bias_rate": 1e-2},
+    "lrs": {"router_lr_scale": 0.1},
+    "lrs_bias1e-2": {"router_lr_scale": 0.1, "router_bias_rate": 1e-2},
+    "prop": {"router_bias_update": "proportional", "router_bias_rate": 1e-2},
+    "lrs_prop": {"router_lr_scale": 0.1, "router_bias_update": "proportional", "router_bias_rate": 1e-2},
+    "lrs0.02_prop": {"router_lr_scale": 0.02, "router_bias_update": "proportional", "router_bias_rate": 1e-2},
 }
 
 
@@ -138,7 +155,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--recipes", default="bias1e-2", help=f"comma list of {sorted(RECIPES)}")
+    p.add_argument("--runs", default=None,
+                   help="explicit runs in this order, comma list of recipe/path[:cf] (e.g. "
+                        "'lrs/dense_cf:1.25,lrs/turbo,preset/dense_cf:1.25'); overrides --recipes x --paths")
     p.add_argument("--override", action="append", default=[], help="ModelConfig field=value (JSON value)")
+    p.add_argument("--budget-s", type=float, default=0,
+                   help="start no run that would end past this many seconds, judged by the longest run so far "
+                        "(0: no limit); the runs left out are listed in runs.json")
     p.add_argument("--balanced-from", type=int, default=100)
     p.add_argument("--drop-window", type=int, nargs=2, default=(50, 400))
     p.add_argument("--smoke", action="store_true", help="tiny model, 24 steps, seq 64, batch 2 (CPU check)")
@@ -153,7 +176,17 @@ def main(argv=None) -> int:
         overrides.update(SMOKE_SIZES, vocab_size=512)
         args.seq, args.batch, args.steps, args.warmup = 64, 2, 24, 4
         args.balanced_from, args.drop_window = 12, (6, 24)
-    recipes = [r.strip() for r in args.recipes.split(",")]
+    if args.runs:
+        runs = []
+        for item in args.runs.split(","):
+            recipe, _, path = item.strip().partition("/")
+            if not path:
+                p.error(f"--runs: {item!r} is not recipe/path[:cf]")
+            runs += [(recipe, name, cf) for name, cf in parse_paths(path)]
+        recipes = list(dict.fromkeys(r for r, _, _ in runs))
+    else:
+        recipes = [r.strip() for r in args.recipes.split(",")]
+        runs = [(recipe, path, cf) for recipe in recipes for path, cf in parse_paths(args.paths)]
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:
         p.error(f"unknown recipe(s) {unknown}; known: {sorted(RECIPES)}")
@@ -180,9 +213,14 @@ def main(argv=None) -> int:
     all_rows: list[dict] = []
     from turbo_moe.model import get_config
 
-    runs = [(recipe, path, cf) for recipe in recipes for path, cf in parse_paths(args.paths)]
+    started, longest = time.time(), 0.0
     for recipe, path, cf in runs:
         label = f"{recipe}/" + (path if path != "dense_cf" else f"dense_cf_cf{cf:g}")
+        if args.budget_s and time.time() - started + longest > args.budget_s:
+            record.setdefault("not_run_budget", []).append(label)
+            json_path.write_text(json.dumps(record, indent=1, default=str))
+            print(f"[{label}] not started: --budget-s {args.budget_s:g} would be exceeded", flush=True)
+            continue
         run_overrides = dict(overrides, moe_path=path)
         for key, value in RECIPES[recipe].items():
             if value == "fanin":
@@ -197,6 +235,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         result = run(tc)
         wall = time.time() - t0
+        longest = max(longest, wall)
         rows = step_rows(label, path, cf, result.history)
         for row in rows:
             row["recipe"] = recipe
