@@ -18,8 +18,9 @@ The issue-13 check (2026-11-23; candidates ranked by the CPU probe, experiments/
 runs in order of importance and --budget-s leaves out the tail rather than the call's time limit cutting
 a run:
   TURBO_MOE_GIT_COMMIT=$(git rev-parse HEAD) timeout 590 python benchmarks/routing_balance_gpu.py \
-      --out experiments/results/routing_balance_h100_2 --budget-s 520 \
-      --runs lrs0.02_prop/dense_cf:1.25,lrs0.02_prop/turbo,lrs_prop/dense_cf:1.25,prop/dense_cf:1.25,preset/dense_cf:1.25
+      --out experiments/results/routing_balance_h100_2 --budget-s 500 \
+      --runs lrs0.02_prop/dense_cf:1.25,lrs0.02_prop/turbo,prop/dense_cf:1.25,bal1e-2_bias1e-2/dense_cf:1.25,preset/dense_cf:1.25
+(T1 reads the routed load, before any drop, so the dense_cf runs check it too.)
 CPU smoke test (tiny sizes, minutes):
   python benchmarks/routing_balance_gpu.py --smoke --out /tmp/routing_balance_smoke --runs lrs_prop/dense_cf:1.25
 Recipes (RECIPES below): --recipes a,b x --paths p,q (every pair), or --runs recipe/path[:cf],... in order.
