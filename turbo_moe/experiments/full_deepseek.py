@@ -1,4 +1,9 @@
-"""Part 2 of ``03_full_deepseek``: a slice of DeepSeek-V3-671B (fewer layers) trained on the devices at hand.
+"""The logic of ``03_full_deepseek`` (its cells hold parameters, these calls and plots).
+
+Part 1 (accounting of the exact config): ``check_parameters`` validates the cell's parameters and returns
+the config and mesh, ``param_table`` / ``plot_memory_per_path`` show `turbo_moe.experiments.accounting`.
+
+Part 2: a slice of DeepSeek-V3-671B (fewer layers) trained on the devices at hand.
 
 ``plan_slice`` decides what runs: the exact widths with as many routed experts as fit one device, or,
 where even the fewest experts do not fit (any CPU, small GPUs), a clearly labelled *shrunk* slice with
@@ -27,8 +32,8 @@ SHRINKS = (2, 4, 8, 16, 32, 64)
 # Widths divided by the shrink factor (floors keep a valid config); head dims stay exact.
 _WIDTHS = {"d_model": 64, "n_heads": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "dense_ffn_dim": 64,
            "moe_ffn_dim": 16, "vocab_size": 512}
-# A shrunk slice is a smoke run of the paths: on a CPU its steps should take seconds (measured: a 2-core
-# CPU runs these steps at a few GFLOP/s, and attention at long sequences dominates).
+# A shrunk slice is a smoke run of the paths: on a CPU its steps should take seconds (what a CPU runs
+# them at: experiments/NOTES.md, "Measurements moved out of code comments").
 SHRUNK_MAX_STEP_TFLOP = 0.01
 MIN_SEQ_LEN = 64
 INTERACTIVE_RESULTS = Path("experiments") / "runs" / "full_deepseek"
@@ -176,6 +181,73 @@ def _shrunk(base, widths, experts, shrink, run_seq, asked_seq, per_device_batch,
                      + f"; about {_step_tflop(cfg, per_device_batch, run_seq):.4f} training TFLOP per step"]
     return SlicePlan({**base, **widths, "n_experts": experts}, run_seq, shrink, label, memory_bytes, memory_source,
                      exact_need, notes)
+
+
+# ---- Part 1: the exact config ---------------------------------------------------------------------------
+def check_parameters(*, mesh_data: int, mesh_expert: int, mesh_tensor: int, mesh_pipeline: int, fsdp: bool,
+                     paths: Sequence[str], max_step_tflop: float | None, capacity_factor: float):
+    """(the exact DeepSeek-V3 config, its mesh) for the notebook's parameters; ValueError naming a bad one."""
+    from turbo_moe.model import get_config
+
+    mesh = accounting.MeshShape(data=mesh_data, expert=mesh_expert, tensor=mesh_tensor, pipeline=mesh_pipeline,
+                                fsdp=fsdp)
+    unknown = sorted(set(paths) - set(accounting.PATHS))
+    if unknown or not paths:
+        raise ValueError(f"parameter paths: expected a non-empty list from {accounting.PATHS}, got {paths!r}")
+    if max_step_tflop is not None and (isinstance(max_step_tflop, bool)
+                                       or not isinstance(max_step_tflop, (int, float)) or max_step_tflop <= 0):
+        raise ValueError(f"parameter max_step_tflop: must be a positive number or None, got {max_step_tflop!r}")
+    return get_config(PRESET, capacity_factor=capacity_factor), mesh
+
+
+def mesh_text(mesh) -> str:
+    return (f"mesh: {mesh.devices} devices = data {mesh.data} x expert {mesh.expert} x tensor {mesh.tensor}"
+            f" x pipeline {mesh.pipeline} (fsdp={mesh.fsdp})")
+
+
+def param_table(cfg) -> pd.DataFrame:
+    """`accounting.param_budget` in billions, one row per part."""
+    budget = accounting.param_budget(cfg)
+    return pd.Series({k: v / 1e9 for k, v in budget.items()}, name="billions").to_frame().round(2)
+
+
+def plot_memory_per_path(per_path: pd.DataFrame, mesh, batch: int, seq_len: int):
+    """States and activations per device (GiB), one bar pair per path of `accounting.full_model_table`."""
+    import seaborn as sns
+
+    melted = per_path.reset_index().melt(id_vars="path", value_vars=["states GiB/device", "activations GiB/device"],
+                                         var_name="part", value_name="GiB")
+    ax = sns.barplot(data=melted, x="path", y="GiB", hue="part")
+    ax.set(ylabel="memory per device (GiB)", xlabel="MoE path",
+           title=f"DeepSeek-V3-671B on {mesh.devices} devices, {batch}x{seq_len} tokens/device")
+    return ax.figure
+
+
+# ---- Part 2: a slice on the devices at hand ---------------------------------------------------------------
+def plan_on_this_device(*, max_step_tflop: float | None, **plan_args: Any) -> SlicePlan:
+    """``plan_slice`` for the first local device's memory; ``max_step_tflop`` None takes the platform's default."""
+    import jax
+
+    from turbo_moe.experiments import notebook as nb
+
+    memory, memory_source = nb.device_memory_bytes()
+    if max_step_tflop is None:
+        max_step_tflop = default_max_step_tflop(jax.default_backend())
+    return plan_slice(memory_bytes=memory, memory_source=memory_source, max_step_tflop=max_step_tflop,
+                      **plan_args)
+
+
+def device_text(plan: SlicePlan) -> str:
+    import jax
+
+    return (f"device: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+            f"{plan.memory_bytes / 2**30:.1f} GiB ({plan.memory_source})")
+
+
+def plan_text(plan: SlicePlan, table_path: str | Path) -> str:
+    """The plan's notes, what runs, and where its rows go."""
+    return "\n".join([*(f"note: {n}" for n in plan.notes), f"runs: {plan.label}",
+                      f"rows and records go to {table_path}"])
 
 
 def default_max_step_tflop(platform: str) -> float | None:

@@ -241,7 +241,7 @@ def run_point(spec: SweepSpec, point: SweepPoint, *, layout: SweepLayout, kernel
 
 def execute_notebook(spec: SweepSpec, params: dict[str, Any], notebook_out: Path, kernel: str) -> tuple[str, str | None]:
     """Run the notebook through papermill; returns (status, error message or None)."""
-    import papermill  # deferred: importing it costs ~1 s and dry runs do not need it
+    import papermill  # deferred: its import is slow (experiments/NOTES.md) and dry runs do not need it
 
     try:
         papermill.execute_notebook(

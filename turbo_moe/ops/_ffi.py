@@ -102,7 +102,7 @@ def _cuda_has_sm90(path: Path) -> bool | None:
 
 def _warn_if_hopper_without_sm90(path: Path) -> None:
     """On a Hopper GPU (compute capability 9.x), a library without the sm90 kernel silently runs the
-    portable grouped GEMM, many times slower (experiments/NOTES.md): say so once, at first use."""
+    portable SIMT grouped GEMM (no tensor cores): say so once, at first use."""
     hopper = [d for d in jax.devices("cuda") if str(getattr(d, "compute_capability", "")).startswith("9")]
     if hopper and _cuda_has_sm90(path) is False:
         warnings.warn(

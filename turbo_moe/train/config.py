@@ -33,8 +33,8 @@ class TrainConfig:
     # ZeRO-3 / FSDP: shard every training state over the devices (turbo_moe.model.sharding); False
     # replicates the non-expert states over all devices and the expert states over "data".
     fsdp: bool = True
-    # XLA's GPU GEMM autotuning at compile time (0-4; None: XLA's default, 4). 0 compiles `reduced`
-    # 13 s faster but, without a warm autotune cache, its default Triton tiles run the step 6x slower
+    # XLA's GPU GEMM autotuning at compile time (0-4; None: XLA's default, 4). 0 compiles faster but,
+    # without a warm autotune cache, its default Triton tiles run the step several times slower
     # (experiments/NOTES.md, issue 12): keep None unless compile time is all that matters.
     xla_gpu_autotune_level: int | None = None
     seq_len: int | None = None
