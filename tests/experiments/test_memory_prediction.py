@@ -1,0 +1,43 @@
+"""accounting.memory_prediction: the terms behave as the remat policies and batch say (the GPU check of
+the absolute numbers is benchmarks/memory_check.py, recorded in experiments/NOTES.md)."""
+from __future__ import annotations
+
+import pytest
+
+from turbo_moe.experiments import accounting
+from turbo_moe.model import get_config
+
+
+def _total(cfg, batch, seq=2048):
+    return sum(accounting.memory_prediction(cfg, batch, seq).values())
+
+
+def test_remat_policies_order_saved_values():
+    saved = {policy: accounting.memory_prediction(get_config("reduced", remat_policy=policy), 8, 2048)["saved layers"]
+             for policy in ("full", "dots_no_batch", "none")}
+    assert saved["full"] < saved["dots_no_batch"] < saved["none"]
+    # full keeps exactly each block's bf16 input: blocks x tokens x d_model x 2 bytes
+    cfg = get_config("reduced", remat_policy="full")
+    assert saved["full"] == pytest.approx((cfg.n_layers + cfg.mtp_depth) * 8 * 2048 * cfg.d_model * 2)
+
+
+def test_activations_scale_with_batch_states_do_not():
+    cfg = get_config("reduced", moe_path="turbo")
+    two, eight = (accounting.memory_prediction(cfg, b, 2048) for b in (2, 8))
+    assert two["states"] == eight["states"]
+    for term in ("saved layers", "live layer", "logits"):
+        assert eight[term] == pytest.approx(4 * two[term])
+
+
+def test_dense_cf_needs_more_than_dropless_and_sharding_divides_states():
+    turbo = get_config("reduced", moe_path="turbo")
+    dense = get_config("reduced", moe_path="dense_cf", capacity_factor=1.25)
+    assert _total(dense, 8) > _total(turbo, 8)
+    mesh = accounting.MeshShape(data=4, expert=2)
+    sharded = accounting.memory_prediction(turbo, 8, 2048, mesh)["states"]
+    assert sharded == pytest.approx(accounting.memory_prediction(turbo, 8, 2048)["states"] / 8)
+
+
+def test_unknown_path_is_refused():
+    with pytest.raises(ValueError, match="path"):
+        accounting.activation_bytes_per_device(get_config("reduced"), "nope", accounting.MeshShape(), 8, 2048)
