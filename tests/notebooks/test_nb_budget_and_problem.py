@@ -4,15 +4,20 @@ import pytest
 
 from turbo_moe.experiments import accounting, ops_check
 from turbo_moe.model import count_params, get_config
-from turbo_moe.model.moe_dense_cf import expert_capacity
+from turbo_moe.model.paths import expert_capacity
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_analytic_parameter_count_matches_the_model(preset):
     cfg = get_config(preset)
-    analytic = accounting.routed_expert_params(cfg) + accounting._other_params_estimate(
-        cfg, cfg.n_layers - cfg.n_dense_layers)
+    analytic = accounting.routed_expert_params(cfg) + accounting._other_params_estimate(cfg)
     assert analytic == pytest.approx(count_params(cfg)["total_with_mtp"], rel=0.01)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "reduced", "deepseek_v3_671b"])
+def test_moe_blocks_count_the_mtp_blocks(preset):
+    cfg = get_config(preset)
+    assert accounting.moe_blocks_with_mtp(cfg) == cfg.n_moe_layers + cfg.mtp_depth
 
 
 @pytest.mark.parametrize("seq_len, cf", [(32, 1.0), (64, 1.25), (128, 2.0)])
@@ -22,10 +27,12 @@ def test_capacity_matches_the_dense_cf_path(seq_len, cf):
 
 
 def test_paths_differ_where_they_should():
-    cfg = get_config("small", capacity_factor=1.25)
+    cfg = get_config("small", capacity_factor=1.25, dtype="bfloat16")  # pallas computes in bfloat16
     table = accounting.full_model_table(cfg, accounting.MeshShape(), per_device_batch=4, seq_len=128)
     assert table.loc["ragged", "executed GFLOP/token"] == table.loc["ragged", "useful GFLOP/token"]
-    assert table.loc["turbo", "total GiB/device"] == table.loc["ragged", "total GiB/device"]
+    for dropless in ("turbo", "pallas"):
+        assert table.loc[dropless, "total GiB/device"] == table.loc["ragged", "total GiB/device"]
+        assert table.loc[dropless, "executed GFLOP/token"] == table.loc["ragged", "executed GFLOP/token"]
     assert table.loc["dense_cf", "executed GFLOP/token"] > table.loc["dense_cf", "useful GFLOP/token"]
     assert table.loc["dense_cf", "MoE layer working set GiB"] > table.loc["ragged", "MoE layer working set GiB"]
 

@@ -10,22 +10,23 @@ The estimates are analytic and state their assumptions:
   values under its remat policy (``saved_values_per_token``), one layer's working set, and the float32
   logits of the output heads. Layers are split over ``pipeline``; a layer's values over ``tensor``.
 - The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
-  one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included);
-  ``ragged``/``turbo`` hold the B S k sorted token copies only.
+  one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included); the
+  dropless paths (``paths.DROPLESS_PATHS``: ragged, turbo, pallas) hold the B S k sorted token copies only.
+
+The path names and dense_cf's capacity come from ``turbo_moe.model.paths``, the MoE path table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pandas as pd
 
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
+from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS, expert_capacity
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PATHS = ("dense_cf", "ragged", "turbo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +50,15 @@ class MeshShape:
         return self.data * self.expert * self.tensor * self.pipeline
 
 
-def n_moe_layers(cfg: ModelConfig) -> int:
-    """MoE layers of the main model plus one per MTP module (each MTP block has an MoE FFN)."""
-    return cfg.n_layers - cfg.n_dense_layers + cfg.mtp_depth
+def moe_blocks_with_mtp(cfg: ModelConfig) -> int:
+    """Blocks with a routed-expert FFN: the main stack's MoE layers (``cfg.n_moe_layers``) plus the MTP
+    blocks that are MoE (``cfg.n_router_layers`` counts both: one router per MoE block)."""
+    return cfg.n_router_layers
 
 
 def routed_expert_params(cfg: ModelConfig) -> int:
     """Parameters of all routed experts: gate, up and down projections, (D, F) each."""
-    return n_moe_layers(cfg) * cfg.n_experts * 3 * cfg.d_model * cfg.moe_ffn_dim
+    return moe_blocks_with_mtp(cfg) * cfg.n_experts * 3 * cfg.d_model * cfg.moe_ffn_dim
 
 
 def param_budget(cfg: ModelConfig) -> dict[str, int]:
@@ -69,9 +71,13 @@ def param_budget(cfg: ModelConfig) -> dict[str, int]:
 
 
 def capacity(cfg: ModelConfig, seq_len: int) -> int:
-    """dense_cf slots per expert per sequence (MaxText's rule, as ``moe_dense_cf.expert_capacity``)."""
-    cf = cfg.capacity_factor
-    return int(max(math.ceil(seq_len * cfg.top_k / cfg.n_experts) * cf, cf))
+    """dense_cf slots per expert per sequence (``paths.expert_capacity``; capacity_factor > 0)."""
+    return expert_capacity(seq_len, cfg.top_k, cfg.n_experts, cfg.capacity_factor)
+
+
+def _capacity_slots(cfg: ModelConfig, path: str) -> bool:
+    """The path runs E x C padded slots (dense_cf with cf > 0); the dropless paths run the B S k copies."""
+    return path not in DROPLESS_PATHS and cfg.capacity_factor > 0
 
 
 def flops_per_token_by_path(
@@ -84,13 +90,13 @@ def flops_per_token_by_path(
     """
     _check_path(path)
     useful = flops_per_token(cfg, seq_len) if useful is None else useful
-    expert = 6.0 * n_moe_layers(cfg) * cfg.top_k * 3 * cfg.d_model * cfg.moe_ffn_dim  # routed, dropless
+    expert = 6.0 * moe_blocks_with_mtp(cfg) * cfg.top_k * 3 * cfg.d_model * cfg.moe_ffn_dim  # routed, dropless
     executed = useful
-    if path == "dense_cf" and cfg.capacity_factor > 0:
+    if _capacity_slots(cfg, path):
         slots_per_token = cfg.n_experts * capacity(cfg, seq_len) / seq_len  # E*C/S rows per token
         executed += expert * (slots_per_token / cfg.top_k - 1.0)  # padded slots run too
         # One-hot dispatch and combine einsums: (S, E*C) x (S, D) each, fwd + 2 bwd matmuls.
-        executed += n_moe_layers(cfg) * 2 * 3 * 2.0 * cfg.n_experts * capacity(cfg, seq_len) * cfg.d_model
+        executed += moe_blocks_with_mtp(cfg) * 2 * 3 * 2.0 * cfg.n_experts * capacity(cfg, seq_len) * cfg.d_model
     return {"useful": useful, "executed": executed}
 
 
@@ -109,7 +115,7 @@ def moe_working_set_bytes(cfg: ModelConfig, path: str, per_device_batch: int, se
     _check_path(path)
     b, s, d, f, e, k = per_device_batch, seq_len, cfg.d_model, cfg.moe_ffn_dim, cfg.n_experts, cfg.top_k
     act = _BYTES[cfg.dtype]
-    if path == "dense_cf" and cfg.capacity_factor > 0:
+    if _capacity_slots(cfg, path):
         c = capacity(cfg, s)
         masks = b * s * e * c * (act + 4)  # dispatch (compute dtype) + combine (float32)
         rows = e * b * c  # dispatched slots, padding included
@@ -169,8 +175,7 @@ def activation_bytes_per_device(
                    gradient of one of them.
     """
     tokens = per_device_batch * seq_len
-    n_moe = cfg.n_layers - cfg.n_dense_layers + cfg.mtp_depth
-    per_token = (n_moe * saved_values_per_token(cfg, path, True)
+    per_token = (moe_blocks_with_mtp(cfg) * saved_values_per_token(cfg, path, True)
                  + cfg.n_dense_layers * saved_values_per_token(cfg, path, False))
     saved = tokens * per_token / (mesh.pipeline * mesh.tensor)
     moe = moe_working_set_bytes(cfg, path, per_device_batch, seq_len) / mesh.tensor
@@ -191,9 +196,12 @@ def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
 
 
 def full_model_table(
-    cfg: ModelConfig, mesh: MeshShape, per_device_batch: int, seq_len: int, paths=PATHS
+    cfg: ModelConfig, mesh: MeshShape, per_device_batch: int, seq_len: int, paths=MOE_PATHS
 ) -> pd.DataFrame:
-    """One row per path: FLOPs per token and memory per device (GiB) for this mesh."""
+    """One row per path: FLOPs per token and memory per device (GiB) for this mesh.
+
+    ``cfg`` with each path must be a valid config: ``pallas`` needs a bfloat16/float16 ``cfg.dtype``.
+    """
     states = state_bytes_per_device(cfg, mesh)
     useful = flops_per_token(cfg, seq_len)  # path-independent; the abstract model is built once
     rows = []
@@ -233,15 +241,14 @@ def experts_that_fit(cfg: ModelConfig, memory_bytes: float, per_device_batch: in
 
 def _single_device_bytes(cfg: ModelConfig, per_device_batch: int, seq_len: int) -> float:
     per_param = 2 * _BYTES[cfg.param_dtype] + 8
-    main = cfg.n_layers - cfg.n_dense_layers
     # Analytic count (no model build): routed experts + the rest scaled from the preset's own count.
     routed = routed_expert_params(cfg)
-    other = _other_params_estimate(cfg, main)
+    other = _other_params_estimate(cfg)
     acts = activation_bytes_per_device(cfg, cfg.moe_path, MeshShape(), per_device_batch, seq_len)
     return per_param * (routed + other) + sum(acts.values())
 
 
-def _other_params_estimate(cfg: ModelConfig, n_moe_main: int) -> float:
+def _other_params_estimate(cfg: ModelConfig) -> float:
     """Non-routed parameters: embedding/head, attention, shared experts, dense FFNs, routers."""
     d = cfg.d_model
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -250,7 +257,7 @@ def _other_params_estimate(cfg: ModelConfig, n_moe_main: int) -> float:
         cfg.qk_nope_head_dim + cfg.v_head_dim)
     attention = q + kv + cfg.n_heads * cfg.v_head_dim * d
     blocks = cfg.n_layers + cfg.mtp_depth
-    moe_blocks = n_moe_main + cfg.mtp_depth
+    moe_blocks = moe_blocks_with_mtp(cfg)
     shared = moe_blocks * cfg.n_shared_experts * 3 * d * cfg.moe_ffn_dim + moe_blocks * cfg.n_experts * d
     dense = cfg.n_dense_layers * 3 * d * cfg.dense_ffn_dim
     embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
@@ -259,5 +266,5 @@ def _other_params_estimate(cfg: ModelConfig, n_moe_main: int) -> float:
 
 
 def _check_path(path: str) -> None:
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path not in MOE_PATHS:
+        raise ValueError(f"path must be one of {MOE_PATHS}, got {path!r}")

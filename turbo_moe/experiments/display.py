@@ -34,6 +34,8 @@ def phases_text(phases: Mapping[str, float] | None) -> str:
 
 def run_summary(status: str, error: str | None, summary: Mapping[str, Any]) -> pd.DataFrame:
     """One-column table of a run: what a person asks first, with units; unknown values are left out."""
+    from turbo_moe.model.paths import DROPLESS_PATHS  # imported here: this module needs pandas only
+
     s = summary
     path = s.get("moe_path")
     rows: dict[str, str] = {"status": status}
@@ -60,7 +62,7 @@ def run_summary(status: str, error: str | None, summary: Mapping[str, Any]) -> p
     if finite(s.get("compiled_temp_bytes")):
         rows["compiled step: temporaries / total"] = (f"{gib(s['compiled_temp_bytes'], 3)} / "
                                                       f"{gib(s.get('compiled_total_bytes'), 3)}")
-    if path in ("ragged", "turbo"):
+    if path in DROPLESS_PATHS:
         rows["dropped token copies"] = "none (dropless path)"
     elif finite(s.get("dropped_fraction_mean")):
         rows["dropped token copies"] = f"{100 * s['dropped_fraction_mean']:.1f} % (mean over steps)"

@@ -239,7 +239,7 @@ def dropped_fraction(histories: pd.DataFrame, results: pd.DataFrame) -> plt.Figu
     rows = rows.assign(run=rows["sweep"] + ": " + rows["label"])
     sns.lineplot(data=rows, x="step", y="dropped_fraction", hue="run", ax=ax, errorbar=None, linewidth=1)
     ax.set(xlabel="step", ylabel="dropped token copies (fraction of T·k)",
-           title="Dropped tokens, dense_cf (ragged and turbo are dropless: none)")
+           title="Dropped tokens, dense_cf (the dropless paths drop none)")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     return add_provenance(fig, results[results["point"].isin(rows["point"])])

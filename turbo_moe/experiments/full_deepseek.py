@@ -26,6 +26,7 @@ import pandas as pd
 
 from turbo_moe.experiments import accounting
 from turbo_moe.experiments.display import GIB
+from turbo_moe.model.paths import MOE_PATHS
 
 PRESET = "deepseek_v3_671b"
 SHRINKS = (2, 4, 8, 16, 32, 64)
@@ -191,9 +192,9 @@ def check_parameters(*, mesh_data: int, mesh_expert: int, mesh_tensor: int, mesh
 
     mesh = accounting.MeshShape(data=mesh_data, expert=mesh_expert, tensor=mesh_tensor, pipeline=mesh_pipeline,
                                 fsdp=fsdp)
-    unknown = sorted(set(paths) - set(accounting.PATHS))
+    unknown = sorted(set(paths) - set(MOE_PATHS))
     if unknown or not paths:
-        raise ValueError(f"parameter paths: expected a non-empty list from {accounting.PATHS}, got {paths!r}")
+        raise ValueError(f"parameter paths: expected a non-empty list from {MOE_PATHS}, got {paths!r}")
     if max_step_tflop is not None and (isinstance(max_step_tflop, bool)
                                        or not isinstance(max_step_tflop, (int, float)) or max_step_tflop <= 0):
         raise ValueError(f"parameter max_step_tflop: must be a positive number or None, got {max_step_tflop!r}")
