@@ -388,13 +388,15 @@ def analyze(args) -> dict:
 
 
 def main(argv=None) -> None:
+    from turbo_moe.model import MOE_PATHS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
     c = sub.add_parser("collect", help="build, compile, time and trace the train step; write DIR")
     c.add_argument("--out", required=True)
     c.add_argument("--model", default="tiny", help="preset name")
     c.add_argument("--model-overrides", default="{}", help="JSON dict of ModelConfig overrides")
-    c.add_argument("--moe-path", default=None, choices=(None, "turbo", "dense_cf", "ragged"))
+    c.add_argument("--moe-path", default=None, choices=(None, *MOE_PATHS))
     c.add_argument("--per-device-batch", type=int, default=2)
     c.add_argument("--seq-len", type=int, default=None)
     c.add_argument("--dataset", default="synthetic")

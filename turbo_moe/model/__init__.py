@@ -1,4 +1,5 @@
-"""DeepSeek-V3-style MoE decoder in Flax NNX with three interchangeable MoE paths.
+"""DeepSeek-V3-style MoE decoder in Flax NNX with interchangeable MoE paths (`MOE_PATHS`: dense_cf, ragged,
+turbo, pallas; `turbo_moe.model.paths` maps each to its exchange and expert GEMM).
 
     from turbo_moe.model import get_config, DeepSeekModel, lm_loss, count_params
     cfg = get_config("tiny", moe_path="ragged")
