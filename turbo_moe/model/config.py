@@ -318,10 +318,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=32, max_seq_len=128, mtp_depth=1, router_bias_rate=1e-2, dtype="float32",
     ),
     # DeepSeek-V3 proportions at ~2.07 B total / ~0.36 B active: 64 routed experts (8 groups, top-4 groups)
-    # + 1 shared, top-6, MLA with q/kv LoRA and decoupled RoPE, MTP depth 1. Measured on one H100 80GB
-    # (jax 0.11.2, AdamW, 8 x 2048 tokens, cuDNN attention, remat dots_no_batch): dense_cf cf 1.25 peaks at
-    # 39.9 GiB, 436 ms/step. The ragged path does not fit at batch 8: XLA lowers jax.lax.ragged_dot to a
-    # dense matmul over all E groups with a masked (T*k, E*D) operand (48.6 GiB asked); batch 2 peaks at 38.8 GiB.
+    # + 1 shared, top-6, MLA with q/kv LoRA and decoupled RoPE, MTP depth 1; sized for one 80 GB GPU at
+    # 8 x 2048 tokens (measured memory and step time per path: experiments/NOTES.md, issue 15).
     "reduced": dict(
         vocab_size=32768, d_model=1280, n_layers=16, n_dense_layers=1, dense_ffn_dim=3584, moe_ffn_dim=512,
         n_experts=64, n_shared_experts=1, top_k=6, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,

@@ -176,8 +176,8 @@ class Program:
 
 
 def compiler_options(gpu_autotune_level: int | None) -> dict | None:
-    """Per-program XLA options. On the GPU, autotune level 0 skips timing GEMM variants at compile time
-    (`reduced`: train-step compile 23 s -> 10 s, but steps 6x slower without an autotune cache)."""
+    """Per-program XLA options. On the GPU, autotune level 0 skips timing GEMM variants at compile time:
+    faster compiles, much slower steps without an autotune cache (measured: experiments/NOTES.md)."""
     if gpu_autotune_level is None or jax.default_backend() != "gpu":
         return None
     return {"xla_gpu_autotune_level": gpu_autotune_level}
