@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import csv
 import json
 import os
 import subprocess
@@ -127,6 +126,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _provenance import provenance  # noqa: E402
+    from _records import write_csv  # noqa: E402
 
     prov = provenance()
     device = prov["device_kind"].lower().replace(" ", "_")
@@ -141,11 +141,7 @@ def main() -> None:
         row = {**run_child(case, mode, args), **prov}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        fields = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k))
-        with open(table, "w", newline="") as f:  # rewritten after every case: nothing finished is lost
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, table)
     print(f"\n{'case':10} {'mode':9} {'layers':>6} {'init s':>8} {'train s':>8} {'total s':>8}  status")
     for r in rows:
         print(f"{r['case']:10} {r['mode']:9} {r.get('n_layers', ''):>6} {r.get('init_compile_s', ''):>8} "

@@ -45,6 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from _records import parse_paths  # noqa: E402
 
 SMOKE_SIZES = dict(  # a tiny `reduced`-like model: same routing proportions, CPU-sized
     d_model=64, n_layers=3, n_dense_layers=1, dense_ffn_dim=128, moe_ffn_dim=16, n_heads=2,
@@ -54,15 +55,6 @@ SMOKE_SIZES = dict(  # a tiny `reduced`-like model: same routing proportions, CP
 ROUTER_FIELDS = ("router_bias_rate", "router_bias_rate_start", "router_bias_rate_decay_steps", "router_init_std",
                  "balance_loss_weight", "n_experts", "top_k", "n_groups", "topk_groups", "routed_scaling_factor")
 NEW_PATH_FACTOR = 1.6
-
-
-def parse_paths(text: str) -> list[tuple[str, float]]:
-    """'turbo,dense_cf:1.25' -> [('turbo', 0.0), ('dense_cf', 1.25)]."""
-    out = []
-    for item in text.split(","):
-        name, _, cf = item.strip().partition(":")
-        out.append((name, float(cf) if cf else 0.0))
-    return out
 
 
 def run_tag(path: str, cf: float, seed: int) -> str:

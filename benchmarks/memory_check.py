@@ -14,7 +14,6 @@ compiles in ~10 s instead of ~25 s; `--autotune-level xla` checks that the choic
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -78,6 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _provenance import provenance  # noqa: E402
+    from _records import write_csv  # noqa: E402
 
     autotune = None if args.autotune_level == "xla" else int(args.autotune_level)
     prov = provenance()
@@ -94,11 +94,7 @@ def main() -> None:
                    "overrides": json.dumps(case[4]), "status": f"error: {type(error).__name__}: {str(error)[:300]}"}
         rows.append({**row, **prov})
         print(json.dumps(rows[-1], default=str), flush=True)
-        fields = list(dict.fromkeys(k for r in rows for k in r))
-        with open(table, "w", newline="") as f:  # rewritten after every case: nothing finished is lost
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, table)
     print(f"\n{'case':58} {'measured':>9} {'predicted':>9} {'ratio':>6}")
     for r in rows:
         name = f"{r['preset']}:{r['moe_path']}:{r['per_device_batch']}x{r['seq_len']} {r.get('remat_policy', '')}"

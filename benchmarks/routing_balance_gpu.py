@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _records import parse_paths  # noqa: E402
 
 # Router recipes (ModelConfig overrides on top of the preset). "preset": the preset as it is (before
 # issue 13: router_bias_rate 1e-3 from step 0, balance weight 1e-4, router init = init_std 0.006).
@@ -82,15 +84,6 @@ SMOKE_SIZES = dict(  # a tiny `reduced`-like model: same routing proportions, CP
     q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     max_seq_len=64, remat_policy="none", dtype="float32",
 )
-
-
-def parse_paths(text: str) -> list[tuple[str, float]]:
-    """'turbo,dense_cf:1.25' -> [('turbo', 0.0), ('dense_cf', 1.25)]."""
-    out = []
-    for item in text.split(","):
-        name, _, cf = item.strip().partition(":")
-        out.append((name, float(cf) if cf else 0.0))
-    return out
 
 
 def step_rows(label: str, path: str, cf: float, history: list[dict]) -> list[dict]:

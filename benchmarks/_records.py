@@ -1,0 +1,23 @@
+"""Small pieces the benchmark scripts share: run lists on the command line, tables written row by row."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+
+def parse_paths(text: str) -> list[tuple[str, float]]:
+    """'turbo,dense_cf:1.25' -> [('turbo', 0.0), ('dense_cf', 1.25)]."""
+    out = []
+    for item in text.split(","):
+        name, _, cf = item.strip().partition(":")
+        out.append((name, float(cf) if cf else 0.0))
+    return out
+
+
+def write_csv(rows: list[dict], table: Path) -> None:
+    """Rewrite `table` with every row so far (called after each case: nothing finished is lost)."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(table, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
