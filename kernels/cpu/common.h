@@ -1,5 +1,5 @@
-// Shared pieces of the CPU FFI handlers: element conversion, group layout, a deadlock-free
-// parallel_for on XLA's intra-op thread pool, and batch-dimension helpers.
+// Shared pieces of the CPU FFI handlers, compiled for the baseline ISA only (isa.h): element types,
+// group layout, a deadlock-free parallel_for on XLA's intra-op thread pool, batch-dimension helpers.
 #pragma once
 
 #include <algorithm>
@@ -13,40 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "convert.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace turbo_moe {
 
 namespace ffi = xla::ffi;
 
-// ---- element conversion (kernels compute in float32) ------------------------------------------
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-inline float f16_to_f32(uint16_t h) {
-  _Float16 v;
-  std::memcpy(&v, &h, 2);
-  return static_cast<float>(v);
-}
-inline uint16_t f32_to_f16(float f) {
-  _Float16 v = static_cast<_Float16>(f);
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
-}
-
-enum class Dtype { kF32, kBF16, kF16 };
-
+// ---- element conversion: convert.h; the XLA element types it handles ---------------------------
 inline bool to_dtype(ffi::DataType t, Dtype* out) {
   switch (t) {
     case ffi::DataType::F32: *out = Dtype::kF32; return true;
@@ -55,37 +29,6 @@ inline bool to_dtype(ffi::DataType t, Dtype* out) {
     default: return false;
   }
 }
-
-// Converts n contiguous elements of `src` (of dtype `dt`) to float32.
-inline void load_f32(Dtype dt, const void* src, int64_t n, float* dst) {
-  if (dt == Dtype::kF32) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else if (dt == Dtype::kBF16) {
-    auto* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-  } else {
-    auto* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
-  }
-}
-inline float load_one(Dtype dt, const void* src, int64_t i) {
-  if (dt == Dtype::kF32) return static_cast<const float*>(src)[i];
-  uint16_t h = static_cast<const uint16_t*>(src)[i];
-  return dt == Dtype::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-// Converts n float32 values to dtype `dt` into `dst` (dst points at element 0 of the row).
-inline void store_f32(Dtype dt, const float* src, int64_t n, void* dst) {
-  if (dt == Dtype::kF32) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else if (dt == Dtype::kBF16) {
-    auto* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
-  } else {
-    auto* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
-  }
-}
-inline int64_t byte_width(Dtype dt) { return dt == Dtype::kF32 ? 4 : 2; }
 
 // ---- group layout ------------------------------------------------------------------------------
 // Group sizes are runtime data: negative sizes count as 0 and the cumulative layout is clamped

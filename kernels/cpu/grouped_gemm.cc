@@ -2,61 +2,21 @@
 //   turbo_moe_grouped_gemm:             out[r] = lhs[r] @ rhs[g(r)]         (M,K) x (G,K,N)|(G,N,K) -> (M,N)
 //   turbo_moe_grouped_gemm_weight_grad: dw[g]  = lhs[rows_g]^T @ d_out[rows_g]  (M,K),(M,N) -> (G,K,N)
 // Optional leading batch dims (vmap) are shared by all operands. Accumulation is float32; the
-// work is split into (group, row block, column block) tiles run on XLA's intra-op thread pool.
+// work is split into (group, row block, column block) tiles run on XLA's intra-op thread pool; the
+// compute of one tile is in gemm_kernels.cc, compiled per ISA and picked at run time (dispatch.cc).
 // Each output element is produced by one tile with a fixed summation order: deterministic.
 #include "common.h"
-#include "gemm_tile.h"
+#include "gemm_kernels.h"
 
 namespace turbo_moe {
 namespace {
 
-struct Tile {
-  int64_t batch, group, row0, rows;
-};
-
-// Converts rows [row0, row0+rows) x cols [col0, col0+cols) of a row-major (.., ld) matrix to
-// float32 panels of `width` rows: dst[p*cols*width + c*width + i] = M(row0+p*width+i, col0+c).
-// Rows past `rows` are zero (panel padding).
-void pack_rows_as_panels(Dtype dt, const char* base, int64_t ld, int64_t row0, int64_t rows,
-                         int64_t col0, int64_t cols, int width, float* dst) {
-  float tmp[kKC > kNC ? kKC : kNC];
-  const int64_t panels = (rows + width - 1) / width;
-  for (int64_t p = 0; p < panels; ++p) {
-    float* panel = dst + p * cols * width;
-    for (int i = 0; i < width; ++i) {
-      const int64_t r = p * width + i;
-      if (r < rows) {
-        load_f32(dt, base + ((row0 + r) * ld + col0) * byte_width(dt), cols, tmp);
-        for (int64_t c = 0; c < cols; ++c) panel[c * width + i] = tmp[c];
-      } else {
-        for (int64_t c = 0; c < cols; ++c) panel[c * width + i] = 0.f;
-      }
-    }
-  }
-}
-
-// Packs a depth-major (.., ld) operand: dst[p*depth*width + d*width + j] = M(d0+d, col0+p*width+j),
-// i.e. each panel holds `width` consecutive columns of consecutive rows. Columns past `cols` are 0.
-void pack_cols_as_panels(Dtype dt, const char* base, int64_t ld, int64_t d0, int64_t depth,
-                         int64_t col0, int64_t cols, int width, float* dst) {
-  float tmp[kMC > kNC ? kMC : kNC];
-  const int64_t panels = (cols + width - 1) / width;
-  for (int64_t d = 0; d < depth; ++d) {
-    load_f32(dt, base + ((d0 + d) * ld + col0) * byte_width(dt), cols, tmp);
-    for (int64_t p = 0; p < panels; ++p) {
-      float* dst_row = dst + p * depth * width + d * width;
-      for (int j = 0; j < width; ++j) {
-        const int64_t c = p * width + j;
-        dst_row[j] = c < cols ? tmp[c] : 0.f;
-      }
-    }
-  }
-}
-
-void store_block(Dtype dt, const float* block, int64_t rows, int64_t cols, char* out, int64_t ld,
-                 int64_t row0, int64_t col0) {
-  for (int64_t r = 0; r < rows; ++r)
-    store_f32(dt, block + r * kNC, cols, out + ((row0 + r) * ld + col0) * byte_width(dt));
+// One float32 scratch per worker thread, sized for the variant in use (fixed for the process).
+const GemmScratch& thread_scratch(const GemmKernels& k) {
+  thread_local std::vector<float> a_pack(k.a_pack_floats), b_pack(k.b_pack_floats),
+      c_block(k.c_block_floats);
+  thread_local GemmScratch s{a_pack.data(), b_pack.data(), c_block.data()};
+  return s;
 }
 
 ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
@@ -84,36 +44,22 @@ ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuf
   const char* rhs_p = static_cast<const char*>(rhs.untyped_data());
   char* out_p = static_cast<char*>(out->untyped_data());
   const int32_t* gs_p = group_sizes.typed_data();
-  const int64_t in_w = byte_width(in_dt), out_w = byte_width(out_dt);
+  const int64_t out_w = byte_width(out_dt);
 
-  std::vector<Tile> tiles;
+  const GemmKernels& kern = gemm_kernels();
+  std::vector<GemmTile> tiles;
   std::vector<int64_t> totals(batch);
   for (int64_t b = 0; b < batch; ++b) {
     auto starts = group_starts(gs_p + b * G, G, M);
     totals[b] = starts[G];
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t r = starts[g]; r < starts[g + 1]; r += kMC)
-        tiles.push_back({b, g, r, std::min(kMC, starts[g + 1] - r)});
+      for (int64_t r = starts[g]; r < starts[g + 1]; r += kern.mc)
+        tiles.push_back({b, g, r, std::min(kern.mc, starts[g + 1] - r)});
   }
-  const int64_t n_blocks = (N + kNC - 1) / kNC;
+  const int64_t n_blocks = (N + kern.nc - 1) / kern.nc;
+  const GemmFwdArgs args{in_dt, out_dt, lhs_p, rhs_p, out_p, M, K, N, G, transpose_rhs, tiles.data(), n_blocks};
   parallel_for(&pool, static_cast<int64_t>(tiles.size()) * n_blocks, [&](int64_t item) {
-    thread_local TileScratch scratch;
-    const Tile& t = tiles[item / n_blocks];
-    const int64_t col0 = (item % n_blocks) * kNC, cols = std::min(kNC, N - col0);
-    const char* a = lhs_p + t.batch * M * K * in_w;
-    const char* w = rhs_p + (t.batch * G + t.group) * K * N * in_w;
-    auto pack_a = [&](int64_t k0, int64_t kc, float* dst) {
-      pack_rows_as_panels(in_dt, a, K, t.row0, t.rows, k0, kc, kMR, dst);
-    };
-    auto pack_b = [&](int64_t k0, int64_t kc, float* dst) {
-      if (transpose_rhs)  // w is (N, K): columns of B are rows of w
-        pack_rows_as_panels(in_dt, w, K, col0, cols, k0, kc, kNR, dst);
-      else                // w is (K, N)
-        pack_cols_as_panels(in_dt, w, N, k0, kc, col0, cols, kNR, dst);
-    };
-    gemm_block(t.rows, cols, K, pack_a, pack_b, scratch);
-    store_block(out_dt, scratch.c_block.data(), t.rows, cols, out_p + t.batch * M * N * out_w, N,
-                t.row0, col0);
+    kern.fwd_item(args, item, thread_scratch(kern));
   });
   // Rows that belong to no group are defined as zero (never left uninitialised).
   for (int64_t b = 0; b < batch; ++b)
@@ -143,29 +89,18 @@ ffi::Error GroupedGemmWeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, f
   const char* dout_p = static_cast<const char*>(d_out.untyped_data());
   char* out_p = static_cast<char*>(d_rhs->untyped_data());
   const int32_t* gs_p = group_sizes.typed_data();
-  const int64_t in_w = byte_width(in_dt), out_w = byte_width(out_dt);
 
-  std::vector<std::vector<int64_t>> starts(batch);
-  for (int64_t b = 0; b < batch; ++b) starts[b] = group_starts(gs_p + b * G, G, M);
-  const int64_t k_blocks = (K + kMC - 1) / kMC, n_blocks = (N + kNC - 1) / kNC;
-  const int64_t per_group = k_blocks * n_blocks;
-  parallel_for(&pool, batch * G * per_group, [&](int64_t item) {
-    thread_local TileScratch scratch;
-    const int64_t bg = item / per_group, b = bg / G, g = bg % G;
-    const int64_t k0 = ((item % per_group) / n_blocks) * kMC, kc = std::min(kMC, K - k0);
-    const int64_t n0 = (item % n_blocks) * kNC, nc = std::min(kNC, N - n0);
-    const int64_t row0 = starts[b][g], rows = starts[b][g + 1] - row0;
-    const char* a = lhs_p + b * M * K * in_w;
-    const char* d = dout_p + b * M * N * in_w;
-    // A(i, r) = lhs[row0 + r, k0 + i]: the group's rows are the reduction dim.
-    auto pack_a = [&](int64_t r0, int64_t rc, float* dst) {
-      pack_cols_as_panels(in_dt, a, K, row0 + r0, rc, k0, kc, kMR, dst);
-    };
-    auto pack_b = [&](int64_t r0, int64_t rc, float* dst) {
-      pack_cols_as_panels(in_dt, d, N, row0 + r0, rc, n0, nc, kNR, dst);
-    };
-    gemm_block(kc, nc, rows, pack_a, pack_b, scratch);  // rows == 0 -> zeros (empty group)
-    store_block(out_dt, scratch.c_block.data(), kc, nc, out_p + (b * G + g) * K * N * out_w, N, k0, n0);
+  const GemmKernels& kern = gemm_kernels();
+  std::vector<int64_t> starts;
+  starts.reserve(batch * (G + 1));
+  for (int64_t b = 0; b < batch; ++b) {
+    auto s = group_starts(gs_p + b * G, G, M);
+    starts.insert(starts.end(), s.begin(), s.end());
+  }
+  const int64_t k_blocks = (K + kern.mc - 1) / kern.mc, n_blocks = (N + kern.nc - 1) / kern.nc;
+  const GemmWgradArgs args{in_dt, out_dt, lhs_p, dout_p, out_p, M, K, N, G, starts.data(), k_blocks, n_blocks};
+  parallel_for(&pool, batch * G * k_blocks * n_blocks, [&](int64_t item) {
+    kern.wgrad_item(args, item, thread_scratch(kern));
   });
   return ffi::Error::Success();
 }
