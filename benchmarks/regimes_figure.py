@@ -78,6 +78,7 @@ def draw(runs: list[dict], figure: Path) -> None:
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=110)
+    plt.close(fig)
     print(f"saved {figure}")
 
 

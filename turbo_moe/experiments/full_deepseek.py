@@ -214,11 +214,13 @@ def param_table(cfg) -> pd.DataFrame:
 
 def plot_memory_per_path(per_path: pd.DataFrame, mesh, batch: int, seq_len: int):
     """States and activations per device (GiB), one bar pair per path of `accounting.full_model_table`."""
+    import matplotlib.pyplot as plt
     import seaborn as sns
 
     melted = per_path.reset_index().melt(id_vars="path", value_vars=["states GiB/device", "activations GiB/device"],
                                          var_name="part", value_name="GiB")
-    ax = sns.barplot(data=melted, x="path", y="GiB", hue="part")
+    _, ax = plt.subplots(figsize=(7, 4))  # its own figure: never draw into whatever figure is current
+    sns.barplot(data=melted, x="path", y="GiB", hue="part", ax=ax)
     ax.set(ylabel="memory per device (GiB)", xlabel="MoE path",
            title=f"DeepSeek-V3-671B on {mesh.devices} devices, {batch}x{seq_len} tokens/device")
     return ax.figure
