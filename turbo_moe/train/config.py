@@ -11,6 +11,7 @@ from turbo_moe.model import ModelConfig, get_config
 
 _POSITIVE_INTS = ("per_device_batch", "steps", "log_every", "keep_checkpoints", "expert_parallel")
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "skip_steps_for_tgs", "seed")
+ADAM_MU_DTYPES = (None, "bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     adam_b1: float = 0.9
     adam_b2: float = 0.95
+    # AdamW first-moment storage dtype (optax mu_dtype); None: the parameters' dtype (float32). "bfloat16"
+    # halves mu's bytes: the update is memory-bound (experiments/NOTES.md, issue 14).
+    adam_mu_dtype: str | None = None
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     remat_policy: str | None = None  # overrides the model's remat_policy when set
     eval_every: int = 25  # 0: only at the end
@@ -146,6 +150,8 @@ def _validate(c: TrainConfig) -> None:
     for name in ("min_lr_ratio", "adam_b1", "adam_b2"):
         value = getattr(c, name)
         _require(_is_number(value) and 0 <= value <= 1, name, f"must be in [0, 1], got {value!r}")
+    _require(c.adam_mu_dtype is None or (isinstance(c.adam_mu_dtype, str) and c.adam_mu_dtype in ADAM_MU_DTYPES),
+             "adam_mu_dtype", f"got {c.adam_mu_dtype!r}; expected one of {ADAM_MU_DTYPES}")
     _require(_is_number(c.val_fraction) and 0 < c.val_fraction < 1, "val_fraction",
              f"must be in (0, 1), got {c.val_fraction!r}")
     _require(isinstance(c.dataset, str) and c.dataset != "", "dataset",

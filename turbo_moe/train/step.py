@@ -91,12 +91,14 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW (+ global-norm clipping). The same object for the same hyper-parameters, so that
     `build_program`'s cache (keyed on it) hits across runs."""
     return _optimizer(tc.learning_rate, tc.warmup_steps, tc.schedule_steps, tc.min_lr_ratio, tc.weight_decay,
-                      tc.adam_b1, tc.adam_b2, tc.grad_clip)
+                      tc.adam_b1, tc.adam_b2, tc.grad_clip, tc.adam_mu_dtype)
 
 
 @functools.lru_cache(maxsize=8)
-def _optimizer(peak, warmup_steps, total_steps, min_lr_ratio, weight_decay, b1, b2, grad_clip):
+def _optimizer(peak, warmup_steps, total_steps, min_lr_ratio, weight_decay, b1, b2, grad_clip, mu_dtype=None):
+    # mu_dtype only changes how mu is stored: optax computes the update from the unrounded moment.
     adamw = optax.adamw(_schedule(peak, warmup_steps, total_steps, min_lr_ratio), b1=b1, b2=b2, eps=1e-8,
+                        mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype),
                         weight_decay=weight_decay, mask=_decay_mask)
     if grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
