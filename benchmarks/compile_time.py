@@ -27,6 +27,7 @@ FULL_WIDTH = dict(n_experts=16, n_groups=8, topk_groups=4, top_k=8)  # exact wid
 CASES = {
     # name: (preset, overrides, per_device_batch, seq_len)
     "reduced": ("reduced", {}, 8, 2048),
+    "tiny": ("tiny", {}, 2, 64),  # a smoke test of the script on any machine
     "full_4": ("deepseek_v3_671b", dict(n_layers=4, **FULL_WIDTH), 1, 4096),
     "full_16": ("deepseek_v3_671b", dict(n_layers=16, **FULL_WIDTH), 1, 4096),
     "full_61": ("deepseek_v3_671b", dict(n_layers=61, **FULL_WIDTH), 1, 4096),
@@ -36,7 +37,7 @@ DEFAULT_RUNS = ["reduced:scan", "reduced:unrolled", "full_4:scan", "full_16:scan
 
 
 def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bool, overrides: dict,
-                 autotune: int | None, overlap: bool = False) -> dict:
+                 autotune: int | None, overlap: bool = False, time_steps: int = 0) -> dict:
     """Runs in the child: compile init and train step of one case cold, return the timings."""
     import jax
     import jax.numpy as jnp
@@ -63,7 +64,7 @@ def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bo
         t0 = time.perf_counter()
         return fn(), time.perf_counter() - t0
 
-    compile_init = lambda: program.init.lower(key).compile()  # noqa: E731
+    compile_init = lambda: program.init.compile(key)  # noqa: E731  (InitProgram: picks the threefry lowering)
     compile_train = lambda: program.train.lower(program.abstract_state, abstract_batch(batch, seq, mesh)).compile()  # noqa: E731
     t0 = time.perf_counter()
     if overlap:  # as turbo_moe.train.run does: the train step compiles in a thread while init compiles
@@ -75,20 +76,48 @@ def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bo
         (_, t_init), (train, t_train) = timed(compile_init), timed(compile_train)
     t_wall = time.perf_counter() - t0
     mem = train.memory_analysis()
+    steps = _time_steps(program, train, key, batch, seq, mesh, time_steps, cfg.vocab_size) if time_steps else {}
     return {"case": case, "mode": mode, "moe_path": moe_path, "init_impl": init_impl, "overrides": overrides,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "gpu_autotune_level": autotune, "warmup_s": round(t_warmup, 2), "n_layers": cfg.n_layers,
             "d_model": cfg.d_model, "n_experts": cfg.n_experts, "per_device_batch": batch, "seq_len": seq,
             "build_s": round(t_build, 2), "init_compile_s": round(t_init, 2),
             "train_compile_s": round(t_train, 2), "overlap": overlap, "total_s": round(t_build + t_wall, 2),
-            "train_temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 2) if mem else None}
+            "train_temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 2) if mem else None,
+            "init_lowering": program.init.last_choice.get("lowering"),
+            "init_threefry_kernel_mode": program.init.mode, **steps}
+
+
+def _time_steps(program, train, key, batch: int, seq: int, mesh, n: int, vocab: int) -> dict:
+    """Run init and n train steps on synthetic tokens after the cold compile: what the compiled program
+    runs at (the XLA flags under test change the GEMM tiles). Median of the steps after the first 2."""
+    import jax
+    import numpy as np
+
+    from turbo_moe.train.step import device_batch
+
+    rng = np.random.default_rng(0)
+    state = jax.block_until_ready(program.init(key))
+    tokens = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)  # vocab: the config's
+    data = device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        state, metrics = train(state, data)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times[2:] if n > 3 else times))
+    return {"timed_steps": n, "step_ms": round(1e3 * step_s, 2), "tgs": round(batch * seq / step_s, 1)}
+
 
 
 def run_child(case: str, mode: str, args) -> dict:
     moe_path, timeout_s = args.moe_path, args.timeout_s
     cmd = [sys.executable, __file__, "--child", f"{case}:{mode}", "--moe-path", moe_path,
            "--init-impl", args.init_impl, "--overrides", args.overrides, "--autotune-level", args.autotune_level] + (["--warmup"] if args.warmup else []) + (
-        ["--overlap"] if args.overlap else [])
+        ["--overlap"] if args.overlap else []) + ["--time-steps", str(args.time_steps)]
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": ""}
+    if args.init_threefry_kernel:
+        env["TURBO_MOE_INIT_THREEFRY_KERNEL"] = args.init_threefry_kernel
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -113,6 +142,10 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true",
                     help="compile the train step in a thread while init compiles (total_s = wall clock)")
     ap.add_argument("--tag", default="", help="suffix of the CSV name (variants of one device)")
+    ap.add_argument("--init-threefry-kernel", default=None, choices=(None, "auto", "on", "off"),
+                    help="TURBO_MOE_INIT_THREEFRY_KERNEL for the child (default: its environment, else auto)")
+    ap.add_argument("--time-steps", type=int, default=0,
+                    help="after the cold compile, run init + N train steps and report step_ms/tgs (allocates)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -120,7 +153,7 @@ def main() -> None:
         print(json.dumps(compile_case(case, mode, args.moe_path, args.init_impl, args.warmup,
                                       json.loads(args.overrides),
                                       None if args.autotune_level == "xla" else int(args.autotune_level),
-                                      args.overlap)),
+                                      args.overlap, args.time_steps)),
               flush=True)
         return
 

@@ -78,6 +78,7 @@ class _Trainer:
         self.step_times: list[float] = []  # this process's steps only
         self.dropped: list[float] = []
         self.compile_time_s = math.nan
+        self.init_lowering = None
         self.compiled_mem: dict[str, int] = {}
         self.memory_limit: tuple[int | None, str] = (None, "unknown")
         self.checkpointer = Checkpointer(tc.checkpoint_dir, tc.keep_checkpoints) if tc.checkpoint_dir else None
@@ -101,6 +102,7 @@ class _Trainer:
             except BaseException:
                 pending.cancel()
                 raise
+            self.init_lowering = getattr(program.init, "last_choice", {}).get("lowering")  # threefry: kernel | default
             self._enter("compilation")  # what is left of it once the state exists
             compiled = pending.result()
         self._check_fits()
@@ -268,6 +270,6 @@ class _Trainer:
             "params_total": params["total"], "params_active": params["active"],
             "steps_done": history[-1]["step"] + 1 if history else 0, "resumed_from_step": self.start_step or None,
             "compile_time_s": self.compile_time_s, "phase_seconds": {k: round(v, 3) for k, v in self.phase_s.items()},
-            "n_devices": self.n_devices,
+            "init_lowering": self.init_lowering, "n_devices": self.n_devices,
             "per_device_batch": tc.per_device_batch, "seq_len": self.seq_len, "moe_path": self.model_cfg.moe_path,
         }
