@@ -23,6 +23,7 @@ from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_b
 from turbo_moe.model.router import bias_rate_at
 from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train state's layout, re-exported)
 from turbo_moe.train.config import TrainConfig
+from turbo_moe.train.init_program import InitProgram
 
 # Mesh axes: ("data", "expert"). Tokens are split over every device; the training states are sharded
 # by the logical axes their parameters declare (turbo_moe.model.sharding: ZeRO-3 / FSDP).
@@ -171,7 +172,7 @@ class Program:
     """
 
     graphdef: Any
-    init: Callable  # key -> TrainState, laid out by state_shardings
+    init: Callable  # InitProgram: key -> TrainState, laid out by state_shardings
     train: Callable  # (state, batch) -> (state, metrics), state donated
     evaluate: Callable  # (state, batch) -> {"ce_loss", "loss"}
     abstract_state: Any  # TrainState of ShapeDtypeStructs with shardings: compile before init has run
@@ -198,7 +199,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
                                   shapes, state_sharding)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
-    init = jax.jit(create, out_shardings=state_sharding, compiler_options=options)
+    init = InitProgram(jax.jit(create, out_shardings=state_sharding, compiler_options=options))
     bias_rate = functools.partial(bias_rate_at, model_cfg)
     train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate), mesh),
                     in_shardings=(state_sharding, data_sharding),
