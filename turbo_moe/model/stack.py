@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.experts import RoutedExperts
 from turbo_moe.model.layers import MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
 from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
@@ -90,6 +91,8 @@ class BlockStack(nnx.Module):
     def __call__(self, h: jax.Array, cos: jax.Array, sin: jax.Array):
         """h (B, S, D) -> (h, stats stacked over the layers (L, ...) or None for dense blocks)."""
         graphdef, state = nnx.split(self.blocks)
+        if self.cfg.cast_params_before_scan:
+            state = cast_stacked_weights(self.blocks, state, jnp.dtype(self.cfg.dtype))
         run = block_fn(self.cfg, graphdef)
 
         def body(carry, layer_state):
@@ -104,6 +107,29 @@ class BlockStack(nnx.Module):
         if per_layer[0] is None:
             return h, None
         return h, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+def cast_at_use_paths(blocks: nnx.Module, dtype) -> set[tuple]:
+    """State paths of the weights the block casts to `dtype` at use: the kernels (and biases) of the
+    nnx.Linear layers computing in `dtype` and the routed experts' weights (`paths.moe_path_fn` and
+    the EP paths cast them to the tokens' dtype). Norm scales and the float32 router gate stay out."""
+    paths = set()
+    for path, node in nnx.iter_graph(blocks):
+        if isinstance(node, nnx.Linear) and node.dtype is not None and jnp.dtype(node.dtype) == dtype:
+            paths |= {(*path, "kernel"), (*path, "bias")}
+        elif isinstance(node, RoutedExperts):
+            paths |= {(*path, "w_gate_up"), (*path, "w_down")}
+    return paths
+
+
+def cast_stacked_weights(blocks: nnx.Module, state, dtype):
+    """`state` with the cast-at-use weights cast to `dtype` for all layers at once, before the scan slices
+    them (`ModelConfig.cast_params_before_scan`): each layer then reads its slice in `dtype` instead of
+    the float32 one. Rounding commutes with slicing, so values and gradients are unchanged."""
+    cast = cast_at_use_paths(blocks, dtype)
+    flat = [(path, var.replace(var[...].astype(dtype)) if path in cast and isinstance(var, nnx.Param) else var)
+            for path, var in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
 
 
 class StackStats(NamedTuple):
