@@ -74,6 +74,9 @@ class ModelConfig:
     max_seq_len: int = 64
     mtp_depth: int = 1
     mtp_loss_weight: float = 0.3
+    # > 0: the main and MTP cross-entropies run the head over chunks of ~this many tokens of the batch
+    # (`chunked_loss`): no float32 (tokens, vocab) logits or their gradient for the whole batch. 0: unchunked.
+    loss_chunk_tokens: int = 0
     balance_loss_weight: float = 1e-4
     router_bias_rate: float = 1e-3
     moe_path: str = "ragged"
@@ -240,7 +243,7 @@ def _validate(c: ModelConfig) -> None:
         _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
                  f"must be a positive int, got {value!r}")
     non_negative = ("n_dense_layers", "n_shared_experts", "q_lora_rank", "qk_nope_head_dim", "mtp_depth",
-                    "dense_ffn_dim")
+                    "dense_ffn_dim", "loss_chunk_tokens")
     for name in non_negative:
         value = getattr(c, name)
         _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,

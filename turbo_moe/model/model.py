@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from turbo_moe.model.chunked_loss import chunked_cross_entropy
 from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.layers import RMSNorm, compute_dtype, linear, rope_tables
 from turbo_moe.model.router import RouterBias, updated_bias
@@ -75,10 +76,21 @@ class DeepSeekModel(nnx.Module):
                               preferred_element_type=jnp.float32)
         return self.head(h).astype(jnp.float32)
 
-    def __call__(self, inputs: jax.Array, targets: jax.Array | None = None) -> ModelOutput:
+    def head_weight(self) -> tuple[jax.Array, bool]:
+        """The output head's weight in the parameter dtype, and whether it is vocab-major: the tied
+        embedding (V, D), else the head kernel (D, V). For losses that apply the head themselves."""
+        if self.head is None:
+            return self.embed.embedding[...], True
+        return self.head.kernel[...], False
+
+    def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *, apply_head: bool = True
+                 ) -> ModelOutput:
         """inputs (B, S) int32 -> ModelOutput. `targets` (B, S), if given, supplies the token after the
-        last input, which the MTP modules read as a future token."""
+        last input, which the MTP modules read as a future token. `apply_head=False`: `logits` and
+        `mtp_logits` hold the final-normalised hidden states (B, S, D, compute dtype) the head would read
+        (for a loss that applies the head itself: `chunked_loss`)."""
         cfg = self.cfg
+        head = self.logits if apply_head else (lambda normed: normed)
         if inputs.ndim != 2 or not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError(f"inputs must be integer (B, S), got {inputs.dtype}{tuple(inputs.shape)}")
         b, s = inputs.shape
@@ -95,7 +107,7 @@ class DeepSeekModel(nnx.Module):
                 if layer_stats is not None:
                     stats.append(layer_stats)
         with jax.named_scope("lm_head"):
-            logits = self.logits(self.final_norm(h))
+            logits = head(self.final_norm(h))
 
         stream = inputs if targets is None else jnp.concatenate([inputs, targets[:, -1:]], axis=1)
         mtp_logits = []
@@ -106,7 +118,7 @@ class DeepSeekModel(nnx.Module):
                 h, layer_stats = apply_block(cfg, module.block, module.proj(merged), cos, sin)
                 if layer_stats is not None:
                     stats.append(layer_stats)
-                mtp_logits.append(self.logits(module.final_norm(h)))
+                mtp_logits.append(head(module.final_norm(h)))
         per_layer = concat_stats(stats, cfg.n_experts)
         n_rows = per_layer.expert_load.shape[0]
         zero = jnp.zeros((), jnp.float32)
@@ -154,15 +166,21 @@ def lm_loss(model: DeepSeekModel, batch: dict) -> tuple[jax.Array, dict]:
     if targets.shape != inputs.shape:
         raise ValueError(f"batch['targets'] shape {targets.shape} != batch['inputs'] shape {inputs.shape}")
     mask = batch.get("mask", jnp.ones(targets.shape, jnp.float32))
-    out = model(inputs, targets)
+    # loss_chunk_tokens > 0: the model returns normalised hidden states and the head runs chunk by chunk
+    out = model(inputs, targets, apply_head=not cfg.loss_chunk_tokens)
+    if cfg.loss_chunk_tokens:
+        weight, vocab_major = model.head_weight()
+        cross_entropy_fn = lambda h, t, m: chunked_cross_entropy(h, weight, t, m, cfg.loss_chunk_tokens, vocab_major)
+    else:
+        cross_entropy_fn = cross_entropy
     with jax.named_scope("loss"):
-        ce = cross_entropy(out.logits, targets, mask)
+        ce = cross_entropy_fn(out.logits, targets, mask)
 
     mtp_terms = []
     for depth, logits in enumerate(out.mtp_logits, start=1):
         mtp_mask = _shift_left(mask, depth)  # (B, S): 0 where token i+depth does not exist
         with jax.named_scope("mtp"):
-            mtp_terms.append(cross_entropy(logits, _shift_left(targets, depth), mtp_mask))
+            mtp_terms.append(cross_entropy_fn(logits, _shift_left(targets, depth), mtp_mask))
     mtp = jnp.mean(jnp.stack(mtp_terms)) if mtp_terms else jnp.zeros((), jnp.float32)
 
     loss = ce + cfg.mtp_loss_weight * mtp + cfg.balance_loss_weight * out.moe.balance_loss

@@ -1,0 +1,126 @@
+"""ModelConfig.loss_chunk_tokens (issue 14 cut): the main and MTP cross-entropies through the head over chunks
+of positions (`turbo_moe.model.chunked_loss`) equal the unchunked loss and gradients within float32
+rounding (float32 compute), and within bf16 rounding with bf16 compute, where the head's backward matmuls
+take dL/dlogits in bf16 (the unchunked path multiplies float32 dL/dlogits by upcast operands)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from turbo_moe.model import DeepSeekModel, get_config, lm_loss
+from turbo_moe.model.chunked_loss import chunk_positions, chunked_cross_entropy
+from turbo_moe.model.model import cross_entropy
+
+
+def _head_problem(vocab_major, dtype=jnp.float32, b=2, s=7, d=16, v=50):
+    keys = jax.random.split(jax.random.key(0), 4)
+    hidden = jax.random.normal(keys[0], (b, s, d), dtype)
+    weight = jax.random.normal(keys[1], (v, d) if vocab_major else (d, v), jnp.float32) * 0.3
+    targets = jax.random.randint(keys[2], (b, s), 0, v)
+    mask = (jax.random.uniform(keys[3], (b, s)) > 0.25).astype(jnp.float32)
+    return hidden, weight, targets, mask
+
+
+def _unchunked(hidden, weight, targets, mask, vocab_major):
+    eq = "bsd,vd->bsv" if vocab_major else "bsd,dv->bsv"
+    logits = jnp.einsum(eq, hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return cross_entropy(logits, targets, mask)
+
+
+@pytest.mark.parametrize("vocab_major", [False, True])
+@pytest.mark.parametrize("chunk", [1, 5, 6, 14, 1000])  # 1 position; 2 (pad 1); 3 (pad 2); all; more than all
+def test_head_loss_and_grads_equal_the_unchunked_ones(vocab_major, chunk):
+    hidden, weight, targets, mask = _head_problem(vocab_major)
+    ref, (ref_dh, ref_dw) = jax.value_and_grad(_unchunked, argnums=(0, 1))(hidden, weight, targets, mask, vocab_major)
+    chunked = lambda h, w: 0.7 * chunked_cross_entropy(h, w, targets, mask, chunk, vocab_major)  # a cotangent != 1
+    loss, (dh, dw) = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(hidden, weight)
+    np.testing.assert_allclose(loss, 0.7 * ref, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(chunked)(hidden, weight), loss, rtol=1e-6)  # the primal (no gradient)
+    np.testing.assert_allclose(dh, 0.7 * ref_dh, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw, 0.7 * ref_dw, rtol=1e-5, atol=1e-7)
+    assert dh.dtype == hidden.dtype and dw.dtype == weight.dtype
+
+
+def test_layout_and_bad_arguments():
+    assert chunk_positions(2, 7, 5) == (2, 4) and chunk_positions(2, 7, 1) == (1, 7)
+    assert chunk_positions(2, 7, 1000) == (7, 1) and chunk_positions(8, 2048, 4096) == (512, 4)
+    hidden, weight, targets, mask = _head_problem(False)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+            chunked_cross_entropy(hidden, weight, targets, mask, bad)
+    with pytest.raises(ValueError, match=r"weight \(16, 50\) does not match"):
+        chunked_cross_entropy(hidden, weight, targets, mask, 4, vocab_major=True)
+    with pytest.raises(ValueError, match="ModelConfig.loss_chunk_tokens: must be a non-negative int, got -1"):
+        get_config("tiny", loss_chunk_tokens=-1)
+    assert all(get_config(name).loss_chunk_tokens == 0 for name in ("tiny", "small", "reduced", "deepseek_v3_671b"))
+
+
+def test_batch_sharded_over_devices_gives_the_same_loss_and_grads():
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    hidden, weight, targets, mask = _head_problem(False, b=4, s=6)
+    fn = jax.jit(jax.value_and_grad(lambda h, w, t, m: chunked_cross_entropy(h, w, t, m, 8), argnums=(0, 1)))
+    ref, ref_grads = fn(hidden, weight, targets, mask)
+    rows = NamedSharding(jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("data",)), P("data"))
+    loss, grads = fn(jax.device_put(hidden, rows), weight, jax.device_put(targets, rows), jax.device_put(mask, rows))
+    np.testing.assert_allclose(loss, ref, rtol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def _model_loss_and_grads(cfg, batch):
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    (loss, metrics), grads = nnx.jit(nnx.value_and_grad(lm_loss, has_aux=True))(model, batch)
+    return loss, metrics, nnx.to_flat_state(grads)
+
+
+def _batch(cfg, b=2, s=16):
+    tokens = jax.random.randint(jax.random.key(1), (b, s + 1), 0, cfg.vocab_size)
+    mask = (jax.random.uniform(jax.random.key(2), (b, s)) > 0.2).astype(jnp.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+@pytest.mark.parametrize("dtype, tie, rel", [
+    ("float32", False, 2e-5), ("float32", True, 2e-5),
+    ("bfloat16", False, 4e-2),  # bf16 dL/dlogits in the head's backward (module doc): bf16 rounding, not float32
+])
+def test_model_loss_and_grads_match_unchunked(dtype, tie, rel):
+    # main head + one MTP head; 2 x 16 tokens in chunks of 5 positions (10 tokens): 4 chunks, the last padded
+    cfg = get_config("tiny", n_layers=2, max_seq_len=16, moe_path="ragged", dtype=dtype, tie_embeddings=tie)
+    batch = _batch(cfg)
+    loss, metrics, grads = _model_loss_and_grads(cfg, batch)
+    c_loss, c_metrics, c_grads = _model_loss_and_grads(cfg.replace(loss_chunk_tokens=10), batch)
+    for name in ("loss", "ce_loss", "mtp_loss"):
+        np.testing.assert_allclose(c_metrics[name], metrics[name], rtol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(c_metrics["expert_load"], metrics["expert_load"])
+    for (name, g), (c_name, c) in zip(grads, c_grads):
+        assert name == c_name and c[...].dtype == g[...].dtype
+        scale = float(jnp.max(jnp.abs(g[...])))  # leaf scale: tolerance relative to the largest entry
+        np.testing.assert_allclose(c[...], g[...], rtol=rel, atol=rel * scale, err_msg=str(name))
+
+
+def test_model_call_still_returns_logits():
+    cfg = get_config("tiny", n_layers=2, max_seq_len=16, moe_path="ragged", loss_chunk_tokens=8)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    inputs = _batch(cfg)["inputs"]
+    out = model(inputs)
+    assert out.logits.shape == (2, 16, cfg.vocab_size) and out.logits.dtype == jnp.float32
+    assert out.mtp_logits[0].shape == (2, 16, cfg.vocab_size)
+    hidden = model(inputs, apply_head=False)
+    assert hidden.logits.shape == (2, 16, cfg.d_model) and hidden.logits.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(model.logits(hidden.logits), out.logits)
+
+
+def test_no_whole_batch_logits_in_the_compiled_step():
+    def compiled_text(cfg):
+        graphdef, params, extra = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        step = jax.value_and_grad(lambda p, b: lm_loss(nnx.merge(graphdef, p, extra), b), has_aux=True)
+        return jax.jit(step).lower(params, _batch(cfg)).compile().as_text()
+
+    cfg = get_config("tiny", n_layers=2, max_seq_len=16, moe_path="ragged", vocab_size=300)
+    assert "f32[2,16,300]" in compiled_text(cfg)  # (B, S, V) float32 logits
+    chunked = compiled_text(cfg.replace(loss_chunk_tokens=10))
+    assert "f32[2,16,300]" not in chunked and "f32[2,5,300]" in chunked  # one chunk's (B, 5, V)
