@@ -2,7 +2,8 @@
 
     # on the machine to measure (GPU or CPU; jax + numpy + stdlib only):
     python3 benchmarks/step_breakdown.py collect --out DIR --model reduced --moe-path turbo \\
-        --per-device-batch 8 --seq-len 2048 [--model-overrides '{"n_layers": 2}'] [--warmup 3 --steps 3]
+        --per-device-batch 8 --seq-len 2048 [--model-overrides '{"n_layers": 2}'] [--warmup 3 --steps 3] \
+        [--train-overrides '{"adam_mu_dtype": "bfloat16"}']
     # here (reads DIR; writes experiments/results/step_breakdown_<device>_<config>.csv (+ _ops.csv) and
     # experiments/figures/step_breakdown_<device>_<config>.png):
     python3 benchmarks/step_breakdown.py analyze DIR
@@ -79,14 +80,17 @@ def collect(args) -> Path:
     overrides = dict(json.loads(args.model_overrides or "{}"))
     if args.moe_path:
         overrides["moe_path"] = args.moe_path
-    tc = TrainConfig(model=args.model, model_overrides=overrides, dataset=args.dataset,
-                     per_device_batch=args.per_device_batch, seq_len=args.seq_len, steps=args.warmup + 3 * args.steps,
-                     warmup_steps=0, remat_policy=args.remat_policy, expert_parallel=args.expert_parallel,
-                     eval_batches=0, progress=False, seed=args.seed)
+    explicit = dict(model=args.model, model_overrides=overrides, dataset=args.dataset,
+                    per_device_batch=args.per_device_batch, seq_len=args.seq_len, steps=args.warmup + 3 * args.steps,
+                    warmup_steps=0, remat_policy=args.remat_policy, expert_parallel=args.expert_parallel,
+                    eval_batches=0, progress=False, seed=args.seed)
+    train_overrides = train_overrides_arg(args.train_overrides, explicit)
+    tc = TrainConfig.from_dict({**explicit, **train_overrides})
     cfg = tc.model_config()
     seq = tc.resolved_seq_len
     dataset = load_dataset(tc.dataset, seq_len=seq, vocab_size=cfg.vocab_size, data_dir=tc.data_dir)
-    params = {"model": args.model, "model_overrides": overrides, "moe_path": cfg.moe_path,
+    params = {"model": args.model, "model_overrides": overrides, "train_overrides": train_overrides,
+              "moe_path": cfg.moe_path,
               "per_device_batch": tc.per_device_batch, "seq_len": seq, "dataset": tc.dataset,
               "remat_policy": cfg.remat_policy, "expert_parallel": tc.expert_parallel,
               "warmup_steps": args.warmup, "timed_steps": args.steps, "seed": args.seed,
@@ -279,8 +283,22 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
+def train_overrides_arg(text: str | None, explicit: dict) -> dict:
+    """--train-overrides JSON -> dict of TrainConfig fields; a field that collect sets (or has its own
+    flag for) is refused, so the recorded parameters say what ran."""
+    overrides = json.loads(text or "{}")
+    if not isinstance(overrides, dict):
+        raise SystemExit(f"--train-overrides: expected a JSON dict of TrainConfig fields, got {text!r}")
+    taken = sorted(set(overrides) & set(explicit))
+    if taken:
+        raise SystemExit(f"--train-overrides: {taken} are set by collect's own flags or fixed by it; "
+                         "use the flags (--model-overrides for ModelConfig fields)")
+    return overrides
+
+
 def config_tag(params: dict) -> str:
     over = {k: v for k, v in params["model_overrides"].items() if k != "moe_path"}
+    over.update(params.get("train_overrides", {}))  # absent in collects made before the flag existed
     parts = ["".join(w[0] for w in k.split("_")) + str(v) for k, v in sorted(over.items())]
     return "_".join([_slug(params["model"]) + ("-" + "-".join(_slug(p) for p in parts) if parts else ""),
                      params["moe_path"], f"b{params['per_device_batch']}", f"s{params['seq_len']}"])
@@ -322,7 +340,8 @@ def analyze(args) -> dict:
     meta, params, prov = b["meta"], b["meta"]["params"], b["meta"]["provenance"]
     table = _table(b)
     header = f"{'category':<15}" + "".join(f"{p:>10}" for p in tcat.PHASES) + f"{'total ms':>10}{'% step':>8}"
-    print(f"\nstep breakdown: {params['model']} {params['model_overrides']} b={params['per_device_batch']} "
+    print(f"\nstep breakdown: {params['model']} {params['model_overrides']} {params.get('train_overrides', {})} "
+          f"b={params['per_device_batch']} "
           f"s={params['seq_len']} on {prov['device_kind']} (jax {prov['jax_version']}, {prov['git_commit']})")
     print(header)
     for r in table:
@@ -355,6 +374,7 @@ def analyze(args) -> dict:
                   "platform": prov["platform"], "jax_version": prov["jax_version"],
                   "flax_version": prov.get("flax_version"), "git_commit": prov["git_commit"], "date": prov["date"],
                   "model": params["model"], "model_overrides": json.dumps(params["model_overrides"], sort_keys=True),
+                  "train_overrides": json.dumps(params.get("train_overrides", {}), sort_keys=True),
                   "moe_path": params["moe_path"], "per_device_batch": params["per_device_batch"],
                   "seq_len": params["seq_len"], "remat_policy": params["remat_policy"], "traced_steps": b["n_steps"],
                   "step_ms_traced": round(traced, 4), "step_ms_untraced": round(untraced, 4),
@@ -396,6 +416,8 @@ def main(argv=None) -> None:
     c.add_argument("--out", required=True)
     c.add_argument("--model", default="tiny", help="preset name")
     c.add_argument("--model-overrides", default="{}", help="JSON dict of ModelConfig overrides")
+    c.add_argument("--train-overrides", default="{}",
+                   help='JSON dict of TrainConfig fields collect does not set, e.g. {"adam_mu_dtype": "bfloat16"}')
     c.add_argument("--moe-path", default=None, choices=(None, *MOE_PATHS))
     c.add_argument("--per-device-batch", type=int, default=2)
     c.add_argument("--seq-len", type=int, default=None)

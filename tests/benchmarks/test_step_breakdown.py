@@ -143,3 +143,27 @@ def test_events_csv_round_trip(tmp_path):
     events = [_ev("a", 0, 10, "outer"), _ev("b", 1.5, 2.25, "x")]
     tcat.write_events_csv(events, tmp_path / "e.csv.gz")
     assert tcat.read_events_csv(tmp_path / "e.csv.gz") == events
+
+
+def _step_breakdown_module():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "step_breakdown.py"
+    spec = importlib.util.spec_from_file_location("step_breakdown", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_overrides_are_parsed_refused_when_collect_sets_them_and_tagged():
+    sb = _step_breakdown_module()
+    explicit = {"model": "tiny", "per_device_batch": 2, "remat_policy": None}
+    assert sb.train_overrides_arg('{"adam_mu_dtype": "bfloat16"}', explicit) == {"adam_mu_dtype": "bfloat16"}
+    assert sb.train_overrides_arg(None, explicit) == {}
+    with pytest.raises(SystemExit, match=r"\['per_device_batch'\] are set by collect"):
+        sb.train_overrides_arg('{"per_device_batch": 4}', explicit)
+    with pytest.raises(SystemExit, match="expected a JSON dict"):
+        sb.train_overrides_arg('["adam_mu_dtype"]', explicit)
+    params = {"model": "reduced", "moe_path": "turbo", "per_device_batch": 8, "seq_len": 2048,
+              "model_overrides": {"moe_path": "turbo", "loss_chunk_tokens": 4096}}
+    assert sb.config_tag(params) == "reduced-lct4096_turbo_b8_s2048"  # a collect from before the flag
+    params["train_overrides"] = {"adam_mu_dtype": "bfloat16"}
+    assert sb.config_tag(params) == "reduced-amdbfloat16-lct4096_turbo_b8_s2048"
