@@ -3,13 +3,17 @@
 
     python benchmarks/memory_check.py --out DIR                       # the default cases
     python benchmarks/memory_check.py --out DIR --cases 'reduced:turbo:8:2048:{"remat_policy":"full"}'
+    python benchmarks/memory_check.py --out DIR --cases \
+        'reduced:turbo:8:2048:{"loss_chunk_tokens":4096,"cast_params_before_scan":true,"adam_mu_dtype":"bfloat16"}'
 
 Each case lowers the train step on abstract inputs and compiles it (nothing is allocated, so cases larger
 than the device still report what they would need): measured = arguments + temporaries + outputs not
 aliased to an argument (the peak XLA plans for; `turbo_moe.train.run` reports the same numbers as
 `compiled_*`). The prediction is `accounting.memory_prediction` for a one-device mesh. One CSV row per
-case, written as each case finishes. `--autotune-level 0` (default) skips GEMM autotuning so a case
-compiles in ~10 s instead of ~25 s; `--autotune-level xla` checks that the choice moves the numbers.
+case, written as each case finishes. A case's overrides are ModelConfig fields, except `adam_mu_dtype`
+(TrainConfig's: given to the optimizer and to the prediction). `--autotune-level 0` (default) skips GEMM
+autotuning so a case compiles in ~10 s instead of ~25 s; `--autotune-level xla` checks that the choice
+moves the numbers.
 """
 from __future__ import annotations
 
@@ -48,8 +52,10 @@ def measure(preset: str, path: str, batch: int, seq: int, overrides: dict, autot
     from turbo_moe.train import TrainConfig
     from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
 
-    cfg = get_config(preset, **{"capacity_factor": 1.25, **overrides}, moe_path=path)
-    tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq))
+    model_overrides = {k: v for k, v in overrides.items() if k != "adam_mu_dtype"}
+    mu_dtype = overrides.get("adam_mu_dtype")
+    cfg = get_config(preset, **{"capacity_factor": 1.25, **model_overrides}, moe_path=path)
+    tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq, adam_mu_dtype=mu_dtype))
     mesh = make_mesh(jax.devices()[:1])
     program = build_program(cfg, tx, mesh, True, autotune)
     t0 = time.perf_counter()
@@ -58,7 +64,7 @@ def measure(preset: str, path: str, batch: int, seq: int, overrides: dict, autot
     args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     outputs = max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0)
     measured = args + temp + outputs
-    predicted = memory_prediction(cfg, batch, seq)
+    predicted = memory_prediction(cfg, batch, seq, adam_mu_dtype=mu_dtype)
     row = {"preset": preset, "moe_path": path, "per_device_batch": batch, "seq_len": seq,
            "overrides": json.dumps(overrides), "remat_policy": cfg.remat_policy, "gpu_autotune_level": autotune,
            "compile_s": round(time.perf_counter() - t0, 2), "arguments_gib": args / GIB, "temp_gib": temp / GIB,

@@ -41,3 +41,28 @@ def test_dense_cf_needs_more_than_dropless_and_sharding_divides_states():
 def test_unknown_path_is_refused():
     with pytest.raises(ValueError, match="path"):
         accounting.activation_bytes_per_device(get_config("reduced"), "nope", accounting.MeshShape(), 8, 2048)
+
+
+def test_issue14_switches_move_their_terms():
+    cfg = get_config("reduced", moe_path="turbo")
+    base = accounting.memory_prediction(cfg, 8, 2048)
+    assert base["cast weights"] == 0.0  # off by default
+    # bf16 first moment: 2 bytes less per parameter, only in the states
+    bf16_mu = accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="bfloat16")
+    params = accounting.param_budget(cfg)["allocated (with MTP)"]
+    assert base["states"] - bf16_mu["states"] == pytest.approx(2 * params)
+    assert accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="float32") == base
+    with pytest.raises(ValueError, match="adam_mu_dtype"):
+        accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="float16")
+    # chunked loss: one chunk of 4096 tokens (8 x 512 positions) instead of every head's 16k x V logits
+    chunked = accounting.memory_prediction(cfg.replace(loss_chunk_tokens=4096), 8, 2048)
+    v, d, heads = cfg.vocab_size, cfg.d_model, 1 + cfg.mtp_depth
+    expected = 4096 * v * (4 + 4 + 2) + heads * (8 * 2048 * d + d * v) * 4
+    assert chunked["logits"] == pytest.approx(expected) and chunked["logits"] < base["logits"] / 3
+    assert {k: chunked[k] for k in base if k != "logits"} == {k: base[k] for k in base if k != "logits"}
+    # cast before the scan: a bf16 copy of the stacked weights (2 bytes per parameter of the stacks)
+    cast = accounting.memory_prediction(cfg.replace(cast_params_before_scan=True), 8, 2048)["cast weights"]
+    counts = accounting.count_params(cfg)
+    assert cast == pytest.approx(2 * (counts["total"] - counts["embedding"] - counts["head"] - cfg.d_model))
+    assert accounting.cast_weight_bytes_per_device(cfg.replace(cast_params_before_scan=True, dtype="float32"),
+                                                   accounting.MeshShape()) == 0.0

@@ -3,12 +3,15 @@
 Used by ``03_full_deepseek`` for the exact DeepSeek-V3-671B config, where nothing can be allocated.
 The estimates are analytic and state their assumptions:
 
-- Training states (AdamW): parameters and gradients in ``param_dtype`` plus two float32 moments.
+- Training states (AdamW): parameters and gradients in ``param_dtype`` plus two float32 moments (the first
+  in bfloat16 with ``TrainConfig.adam_mu_dtype="bfloat16"``).
   Routed-expert weights are split over ``expert x tensor x pipeline``, the other weights over
   ``tensor x pipeline``; with ``fsdp`` both are further split over ``data`` (ZeRO-3 style).
 - Activations for ``per_device_batch`` sequences, at the start of the backward pass: every layer's saved
   values under its remat policy (``saved_values_per_token``), one layer's working set, and the float32
-  logits of the output heads. Layers are split over ``pipeline``; a layer's values over ``tensor``.
+  logits of the output heads (one chunk's with ``loss_chunk_tokens``). Layers are split over ``pipeline``;
+  a layer's values over ``tensor``. With ``cast_params_before_scan``, the stacked weights' compute-dtype
+  copy.
 - The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
   one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included); the
   dropless paths (``paths.DROPLESS_PATHS``: ragged, turbo, pallas) hold the B S k sorted token copies only.
@@ -100,14 +103,34 @@ def flops_per_token_by_path(
     return {"useful": useful, "executed": executed}
 
 
-def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape) -> float:
-    """AdamW training states per device: params + grads (param_dtype) + two float32 moments."""
-    per_param = 2 * _BYTES[cfg.param_dtype] + 8
-    budget = param_budget(cfg)
+def _per_device(routed: float, other: float, mesh: MeshShape) -> float:
+    """Elements per device of tensors laid out like the parameters (routed experts / the rest)."""
     data_split = mesh.data if mesh.fsdp else 1
-    routed = budget["routed experts"] / (mesh.expert * mesh.tensor * mesh.pipeline * data_split)
-    other = budget["other"] / (mesh.tensor * mesh.pipeline * data_split * (mesh.expert if mesh.fsdp else 1))
-    return per_param * (routed + other)
+    return (routed / (mesh.expert * mesh.tensor * mesh.pipeline * data_split)
+            + other / (mesh.tensor * mesh.pipeline * data_split * (mesh.expert if mesh.fsdp else 1)))
+
+
+def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str | None = None) -> float:
+    """AdamW training states per device: params + grads (param_dtype) + the first moment (``adam_mu_dtype``,
+    as ``TrainConfig.adam_mu_dtype``; None: float32) + the float32 second moment."""
+    if adam_mu_dtype not in (None, "bfloat16", "float32"):
+        raise ValueError(f"adam_mu_dtype must be None, 'bfloat16' or 'float32', got {adam_mu_dtype!r}")
+    per_param = 2 * _BYTES[cfg.param_dtype] + _BYTES[adam_mu_dtype or "float32"] + 4
+    budget = param_budget(cfg)
+    return per_param * _per_device(budget["routed experts"], budget["other"], mesh)
+
+
+def cast_weight_bytes_per_device(cfg: ModelConfig, mesh: MeshShape) -> float:
+    """``cast_params_before_scan``: the compute-dtype copy of the layer stacks' weights, live from the forward
+    to the end of the backward (XLA:CPU's buffer assignment of `small` in bf16: +16.3 MiB for a 16.7 MiB copy;
+    their gradient, stacked in the compute dtype, took no extra room there). 0 when off or when the
+    parameters are already in the compute dtype."""
+    if not cfg.cast_params_before_scan or cfg.param_dtype == cfg.dtype:
+        return 0.0
+    counts = count_params(cfg)
+    stacked = counts["total"] - counts["embedding"] - counts["head"] - cfg.d_model  # minus the final norm
+    routed = cfg.n_moe_layers * cfg.n_experts * 3 * cfg.d_model * cfg.moe_ffn_dim
+    return _BYTES[cfg.dtype] * _per_device(routed, stacked - routed, mesh)
 
 
 def moe_working_set_bytes(cfg: ModelConfig, path: str, per_device_batch: int, seq_len: int) -> float:
@@ -172,7 +195,9 @@ def activation_bytes_per_device(
     saved layers   every block's saved values (`saved_values_per_token`), MTP blocks included;
     live layer     one block's working set, rebuilt by remat during its backward;
     logits         float32 logits of the main and MTP heads, kept for the loss's backward, plus the
-                   gradient of one of them.
+                   gradient of one of them; with ``loss_chunk_tokens`` (``chunked_loss``) one chunk's
+                   float32 logits and gradient, plus each head's float32 gradients (hidden and head weight)
+                   kept from the forward pass.
     """
     tokens = per_device_batch * seq_len
     per_token = (moe_blocks_with_mtp(cfg) * saved_values_per_token(cfg, path, True)
@@ -180,19 +205,28 @@ def activation_bytes_per_device(
     saved = tokens * per_token / (mesh.pipeline * mesh.tensor)
     moe = moe_working_set_bytes(cfg, path, per_device_batch, seq_len) / mesh.tensor
     attn = attention_working_set_bytes(cfg, per_device_batch, seq_len) / mesh.tensor
-    logits = tokens * cfg.vocab_size * 4 * (1 + cfg.mtp_depth + 1) / mesh.tensor
+    if cfg.loss_chunk_tokens:
+        # a chunk spans the global batch (split over data x expert) and loss_chunk_tokens // batch positions
+        positions = max(1, min(seq_len, cfg.loss_chunk_tokens // (per_device_batch * mesh.data * mesh.expert)))
+        chunk = per_device_batch * positions * cfg.vocab_size * (4 + 4 + _BYTES[cfg.dtype])  # logits, grad, cast
+        kept = (1 + cfg.mtp_depth) * (tokens * cfg.d_model + cfg.d_model * cfg.vocab_size) * 4
+        logits = (chunk + kept) / mesh.tensor
+    else:
+        logits = tokens * cfg.vocab_size * 4 * (1 + cfg.mtp_depth + 1) / mesh.tensor
     return {"saved layers": saved, "live layer": moe + attn, "logits": logits}
 
 
 def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
-                      mesh: MeshShape | None = None) -> dict[str, float]:
+                      mesh: MeshShape | None = None, adam_mu_dtype: str | None = None) -> dict[str, float]:
     """Predicted peak bytes per device of one training step of ``cfg`` (its own ``moe_path``): AdamW
-    states (parameters, gradients, two moments) plus the activations above. Checked against XLA's
-    buffer assignment by ``benchmarks/memory_check.py`` (experiments/NOTES.md, issue 12)."""
+    states (parameters, gradients, two moments; ``adam_mu_dtype`` as the TrainConfig field) plus the
+    activations above, plus the cast weights of ``cast_params_before_scan`` (0 when off). Checked against
+    XLA's buffer assignment by ``benchmarks/memory_check.py`` (experiments/NOTES.md, issue 12)."""
     mesh = mesh or MeshShape()
     _check_path(cfg.moe_path)
-    return {"states": state_bytes_per_device(cfg, mesh),
-            **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len)}
+    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype),
+            **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len),
+            "cast weights": cast_weight_bytes_per_device(cfg, mesh)}
 
 
 def full_model_table(
