@@ -66,3 +66,14 @@ def test_issue14_switches_move_their_terms():
     assert cast == pytest.approx(2 * (counts["total"] - counts["embedding"] - counts["head"] - cfg.d_model))
     assert accounting.cast_weight_bytes_per_device(cfg.replace(cast_params_before_scan=True, dtype="float32"),
                                                    accounting.MeshShape()) == 0.0
+
+
+def test_states_follow_the_param_dtype_as_optax_keeps_them():
+    """optax keeps the second moment (and, without mu_dtype, the first) in the parameters' dtype: bf16
+    params -> params + grads + mu + nu = 8 B per parameter; a float32 mu on top -> 10 B."""
+    cfg = get_config("reduced", moe_path="turbo", param_dtype="bfloat16")
+    params = accounting.param_budget(cfg)["allocated (with MTP)"]
+    assert accounting.memory_prediction(cfg, 8, 2048)["states"] == pytest.approx(8 * params)
+    assert accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="float32")["states"] == pytest.approx(10 * params)
+    f32 = get_config("reduced", moe_path="turbo")
+    assert accounting.memory_prediction(f32, 8, 2048)["states"] == pytest.approx(16 * params)

@@ -111,11 +111,11 @@ def _per_device(routed: float, other: float, mesh: MeshShape) -> float:
 
 
 def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str | None = None) -> float:
-    """AdamW training states per device: params + grads (param_dtype) + the first moment (``adam_mu_dtype``,
-    as ``TrainConfig.adam_mu_dtype``; None: float32) + the float32 second moment."""
+    """AdamW training states per device: params + grads + the second moment (all three in param_dtype, as
+    optax keeps them) + the first moment (``adam_mu_dtype``, as ``TrainConfig.adam_mu_dtype``; None: param_dtype)."""
     if adam_mu_dtype not in (None, "bfloat16", "float32"):
         raise ValueError(f"adam_mu_dtype must be None, 'bfloat16' or 'float32', got {adam_mu_dtype!r}")
-    per_param = 2 * _BYTES[cfg.param_dtype] + _BYTES[adam_mu_dtype or "float32"] + 4
+    per_param = 3 * _BYTES[cfg.param_dtype] + _BYTES[adam_mu_dtype or cfg.param_dtype]
     budget = param_budget(cfg)
     return per_param * _per_device(budget["routed experts"], budget["other"], mesh)
 
