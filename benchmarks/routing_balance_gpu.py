@@ -54,6 +54,9 @@ from _records import parse_paths  # noqa: E402
 # "prop": proportional bias update (router_bias_update) at rate 1e-2. "lrs_prop": lrs + prop;
 # "lrs0.02_prop": the same with router_lr_scale 0.02 (at d_model 1280 AdamW moves each gate logit up to
 # ~5x further per step than at the CPU probe's 256: 0.02 here ~ 0.1 there).
+# "center": router centering (router_center_ema 0.3: the running-mean direction of the router input
+# projected out of every token before top-k; experiments/NOTES.md, issue 13 part 5) on the preset;
+# "center_lrs_prop": the same on top of lrs_prop.
 RECIPES = {
     "preset": {},
     "bias1e-2": {"router_bias_rate": 1e-2},
@@ -67,6 +70,9 @@ RECIPES = {
     "prop": {"router_bias_update": "proportional", "router_bias_rate": 1e-2},
     "lrs_prop": {"router_lr_scale": 0.1, "router_bias_update": "proportional", "router_bias_rate": 1e-2},
     "lrs0.02_prop": {"router_lr_scale": 0.02, "router_bias_update": "proportional", "router_bias_rate": 1e-2},
+    "center": {"router_center_ema": 0.3},
+    "center_lrs_prop": {"router_center_ema": 0.3, "router_lr_scale": 0.1, "router_bias_update": "proportional",
+                        "router_bias_rate": 1e-2},
 }
 
 

@@ -61,8 +61,9 @@ def probe_config(**overrides):
 
 
 # ------------------------------------------------------------------ per-layer statistics (in jax)
-def router_stats(x, logits, expert_ids, bias, cfg):
-    """Scalar diagnostics of one router call: x (B,S,D), logits (B,S,E) f32, expert_ids (B,S,k)."""
+def router_stats(x, logits, expert_ids, bias, cfg, selection=None, center=None):
+    """Scalar diagnostics of one router call: x (B,S,D), logits (B,S,E) f32, expert_ids (B,S,k);
+    with router centering, `selection` (B,S,E) the scores top-k reads and `center` the running mean."""
     x = x.astype(jnp.float32)
     b, s, _ = x.shape
     e = cfg.n_experts
@@ -75,7 +76,8 @@ def router_stats(x, logits, expert_ids, bias, cfg):
     token_mean = scores.reshape(-1, e).mean(0)  # (E,)
     offset = jnp.std(token_mean)
     load = jnp.zeros((e,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0)
-    top1 = jnp.argmax(scores + bias, axis=-1).reshape(-1)
+    select = scores if selection is None else selection
+    top1 = jnp.argmax(select + bias, axis=-1).reshape(-1)
     top1_counts = jnp.zeros((e,), jnp.float32).at[top1].add(1.0)
     per_group = e // cfg.n_groups
     group_hot = jax.nn.one_hot(expert_ids // per_group, cfg.n_groups).max(-2).reshape(-1, cfg.n_groups)
@@ -88,6 +90,12 @@ def router_stats(x, logits, expert_ids, bias, cfg):
         load=load.max() / load.mean(), gap=token_mean[hot] - token_mean.mean(),
         mean_logit=logits.reshape(-1, e).mean(0), mean_score=token_mean,
         bias_range=bias.max() - bias.min(), load_vec=load,
+        # what selection reads: std over experts of the token-mean selection score (levels left), and
+        # the mean over experts of its std over tokens (what tells tokens apart), vs the bias range
+        sel_offset=jnp.std(select.reshape(-1, e).mean(0)), sel_token_std=jnp.std(select.reshape(-1, e), 0).mean(),
+        center_resid=(jnp.linalg.norm(x.reshape(-1, x.shape[-1]).mean(0) - center)
+                      / (jnp.linalg.norm(x.reshape(-1, x.shape[-1]).mean(0)) + 1e-12)
+                      if center is not None and center.shape[-1] == x.shape[-1] else jnp.float32(jnp.nan)),
     )
 
 
@@ -110,8 +118,12 @@ class Recorder:
         def patched(router, x):
             routing = orig(router, x)
             logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router.gate())
+            selection = center = None
+            if router.cfg.router_center_ema > 0:  # as Router.__call__ selects
+                center = jax.lax.stop_gradient(router.center[...])
+                selection = router_mod.centered_selection(x, logits, router.gate(), center)
             stats = router_stats(jax.lax.stop_gradient(x), jax.lax.stop_gradient(logits), routing.expert_ids,
-                                 jax.lax.stop_gradient(router.bias[...]), router.cfg)
+                                 jax.lax.stop_gradient(router.bias[...]), router.cfg, selection, center)
             jax.debug.callback(recorder._store, stats, ordered=True)
             return routing
 
@@ -132,10 +144,11 @@ class Recorder:
 def make_step(graphdef, tx, bias_schedule):
     def step_fn(params, extra, opt_state, batch, step):
         grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
-        (_, metrics), grads = grad_fn(nnx.merge(graphdef, params, extra), batch)
+        forward = nnx.merge(graphdef, params, extra)
+        (_, metrics), grads = grad_fn(forward, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        model = nnx.merge(graphdef, params, extra)
+        model = nnx.merge(graphdef, params, nnx.split(forward, nnx.Param, ...)[2])  # router centering state
         update_router_bias(model, jax.lax.stop_gradient(metrics["expert_load"]), bias_schedule(step))
         _, _, extra = nnx.split(model, nnx.Param, ...)
         return params, extra, opt_state, metrics
@@ -161,6 +174,7 @@ def run_probe(args):
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
+    router_mod.CENTER_SPACE = args.center_space
     cfg = probe_config(**overrides)
     tc = TrainConfig(model=cfg, steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup,
                      lr_schedule_steps=max(args.schedule_steps, args.steps, args.warmup), per_device_batch=args.batch, seq_len=args.seq, progress=False, eval_batches=0)
@@ -210,7 +224,8 @@ def _rate_schedule(args, cfg):
 
 
 def _print_row(row, elapsed):
-    cols = ("cos", "spread", "offset", "top1_same", "groups_same", "load", "gap", "drift_score", "bias_range")
+    cols = ("cos", "spread", "offset", "top1_same", "load", "gap", "bias_range", "sel_offset", "sel_token_std",
+            "center_resid")
     print(f"step {row['step']:4d} ce {row['ce']:.3f} rate {row['rate']:.1e} ({elapsed:.0f}s)")
     for li, r in enumerate(row["layers"]):
         print("   L%d " % li + " ".join(f"{c} {r[c]:.3f}" for c in cols))
@@ -231,22 +246,30 @@ def main(argv=None):
     p.add_argument("--schedule-steps", type=int, default=400,
                    help="cosine horizon (400: the GPU check's run; a shorter probe sees its first part)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--center-space", default="project", choices=("project", "input"),
+                   help="what router_center_ema's running mean is taken of (router.CENTER_SPACE)")
+    p.add_argument("--gzip", action="store_true", help="write <name>.json.gz (the per-step history is ~1 MB)")
     p.add_argument("--print-every", type=int, default=10)
     p.add_argument("--name", default=None)
     p.add_argument("--out-dir", default=str(REPO / "experiments/results/routing_probe"))
     args = p.parse_args(argv)
     cfg, tc, history = run_probe(args)
     name = args.name or f"{args.variant}_{args.dataset}_s{args.seed}"
-    out = Path(args.out_dir) / f"{name}.json"
+    out = Path(args.out_dir) / (f"{name}.json.gz" if args.gzip else f"{name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         provenance = collect_provenance()
     except Exception as err:  # noqa: BLE001  (minutes of probe history must not be lost to a provenance bug)
         provenance = {"provenance_error": repr(err)}
-    out.write_text(json.dumps({
+    text = json.dumps({
         "name": name, "args": vars(args), "model_config": cfg.to_dict(), "train_config": tc.to_dict(),
         **provenance, "history": history, "summary": summarize(history),
-    }, indent=1, default=str))
+    }, indent=1, default=str)
+    if args.gzip:
+        import gzip
+        out.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        out.write_text(text)
     print(json.dumps(summarize(history), indent=1))
     print("saved", out)
 

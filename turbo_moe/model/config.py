@@ -116,6 +116,11 @@ class ModelConfig:
     # Gate kernel stored divided by this factor and multiplied back in the forward: AdamW (updates ~lr
     # per element) then moves the gate at lr * router_lr_scale, without touching the optimizer.
     router_lr_scale: float = 1.0
+    # Router centering (0: off): weight of the newest training batch in a running mean (EMA over steps,
+    # stop-gradient, per MoE layer, a RouterCenter variable beside the bias) of the router's input, whose
+    # direction is projected out of every token before top-k selection only (combine weights unchanged):
+    # the direction all tokens share, which the gate turns into per-expert levels (NOTES, issue 13).
+    router_center_ema: float = 0.0
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -289,6 +294,9 @@ def _validate(c: ModelConfig) -> None:
     _require(isinstance(c.router_bias_rate_decay_steps, int) and not isinstance(c.router_bias_rate_decay_steps, bool)
              and c.router_bias_rate_decay_steps >= 0, "router_bias_rate_decay_steps",
              f"must be a non-negative int, got {c.router_bias_rate_decay_steps!r}")
+    _require(isinstance(c.router_center_ema, (int, float)) and not isinstance(c.router_center_ema, bool)
+             and 0 <= c.router_center_ema <= 1, "router_center_ema",
+             f"must be a number in [0, 1] (0: off), got {c.router_center_ema!r}")
     for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate", "router_bias_rate_start"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,

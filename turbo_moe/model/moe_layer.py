@@ -19,6 +19,8 @@ class LayerStats(NamedTuple):
     expert_load: jax.Array  # (E,) float32
     dropped_fraction: jax.Array  # () float32
     balance_loss: jax.Array  # () float32, sequence-wise, without its weight
+    # This batch's token mean for the router's running mean (cfg.router_center_ema > 0), else None.
+    router_center: jax.Array | None = None
 
 
 class MoELayer(nnx.Module):
@@ -46,4 +48,5 @@ class MoELayer(nnx.Module):
                 y = y + self.shared(x)
         with jax.named_scope("router"):
             balance = sequence_balance_loss(routing.scores, routing.expert_ids, self.cfg.n_experts)
-        return y, LayerStats(stats.expert_load, stats.dropped_fraction, balance)
+            center = self.router.center_statistic(x, routing)
+        return y, LayerStats(stats.expert_load, stats.dropped_fraction, balance, center)

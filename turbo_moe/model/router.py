@@ -20,6 +20,16 @@ class RouterBias(nnx.Variable):
     """Per-expert selection bias. Not an nnx.Param: the optimizer skips it; `update_router_bias` sets it."""
 
 
+class RouterCenter(nnx.Variable):
+    """Running mean (EMA over training steps) of the router's input, per MoE layer (D,); exists only with
+    cfg.router_center_ema > 0. Not an nnx.Param: no gradient; the model's forward updates it after use."""
+
+
+# How the selection leaves the running mean c of the router input out (benchmarks/routing_probe.py
+# --center-space): "project" (default) removes each token's component along c; "input" subtracts c.
+CENTER_SPACE = "project"
+
+
 class Routing(NamedTuple):
     """Router output for tokens (..., D). All float32 except the ids."""
 
@@ -50,14 +60,31 @@ def group_limited_topk(
     return expert_ids.astype(jnp.int32)
 
 
-def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig) -> Routing:
-    """Pure routing from sigmoid scores (..., E) float32 and bias (E,)."""
+def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig, selection: jax.Array | None = None) -> Routing:
+    """Pure routing from sigmoid scores (..., E) float32 and bias (E,). `selection` (..., E), if given,
+    replaces `scores` in the top-k choice only (the combine weights are always the picked `scores`)."""
+    select = scores if selection is None else jax.lax.stop_gradient(selection)
     expert_ids = group_limited_topk(
-        scores, jax.lax.stop_gradient(bias), top_k=cfg.top_k, n_groups=cfg.n_groups,
+        select, jax.lax.stop_gradient(bias), top_k=cfg.top_k, n_groups=cfg.n_groups,
         topk_groups=cfg.topk_groups)
     picked = jnp.take_along_axis(scores, expert_ids, axis=-1)  # (..., k)
     weights = picked / (picked.sum(-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     return Routing(expert_ids=expert_ids, weights=weights, scores=scores)
+
+
+def centered_selection(x: jax.Array, logits: jax.Array, gate: jax.Array, center: jax.Array) -> jax.Array:
+    """Selection scores (..., E) with the running mean input `center` (D,) taken out (stop-gradient).
+    "project": sigmoid(x' W), x' = x minus its component along c (the shared direction leaves every
+    token, whatever its share of it); "input": sigmoid((x - c) W). W is the current gate."""
+    center = jax.lax.stop_gradient(center)
+    gate, logits = jax.lax.stop_gradient(gate), jax.lax.stop_gradient(logits)
+    if CENTER_SPACE == "input":
+        return jax.nn.sigmoid(logits - center @ gate)
+    if CENTER_SPACE == "project":
+        unit = center / (jnp.linalg.norm(center) + 1e-12)  # 0 (no change) while the running mean is 0
+        along = jnp.einsum("...d,d->...", jax.lax.stop_gradient(x).astype(jnp.float32), unit)
+        return jax.nn.sigmoid(logits - along[..., None] * (unit @ gate))
+    raise ValueError(f"router.CENTER_SPACE: expected 'project' or 'input', got {CENTER_SPACE!r}")
 
 
 class Router(nnx.Module):
@@ -69,6 +96,8 @@ class Router(nnx.Module):
         init = nnx.initializers.normal(cfg.router_std / cfg.router_lr_scale)
         self.kernel = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_experts), jnp.dtype(cfg.param_dtype)))
         self.bias = RouterBias(jnp.zeros((cfg.n_experts,), jnp.float32))
+        if cfg.router_center_ema > 0:
+            self.center = RouterCenter(jnp.zeros((cfg.d_model,), jnp.float32))
 
     def gate(self) -> jax.Array:
         """(D, E) float32 effective gate kernel."""
@@ -76,8 +105,22 @@ class Router(nnx.Module):
 
     def __call__(self, x: jax.Array) -> Routing:
         # The gate runs in float32: small score differences decide the routing.
-        logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), self.gate())
-        return route(jax.nn.sigmoid(logits), self.bias[...], self.cfg)
+        gate = self.gate()
+        logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), gate)
+        scores = jax.nn.sigmoid(logits)
+        selection = None
+        if self.cfg.router_center_ema > 0:
+            # Past steps only (the running mean as it stood before this batch): causal-safe.
+            selection = centered_selection(x, logits, gate, self.center[...])
+        return route(scores, self.bias[...], self.cfg, selection)
+
+    def center_statistic(self, x: jax.Array, routing: Routing) -> jax.Array | None:
+        """This batch's contribution to the running mean (stop-gradient, float32): the token mean of
+        the router input (D,); None without centering. `routing` is unused (kept for the callers)."""
+        if self.cfg.router_center_ema <= 0:
+            return None
+        values = jax.lax.stop_gradient(x).astype(jnp.float32)
+        return values.reshape(-1, values.shape[-1]).mean(0)
 
 
 def sequence_balance_loss(scores: jax.Array, expert_ids: jax.Array, n_experts: int) -> jax.Array:
@@ -105,6 +148,11 @@ def updated_bias(bias: jax.Array, expert_load: jax.Array, rate, rule: str = "sig
     if rule == "proportional":
         return bias + rate * (mean - load) / jnp.maximum(mean, 1e-20)
     raise ValueError(f"rule: expected 'sign' or 'proportional', got {rule!r}")
+
+
+def updated_center(center: jax.Array, batch_mean: jax.Array, ema) -> jax.Array:
+    """Running mean after one training batch: center + ema * (batch_mean - center) (stop-gradient)."""
+    return center + ema * (jax.lax.stop_gradient(batch_mean).astype(jnp.float32) - center)
 
 
 def bias_rate_at(cfg: ModelConfig, step) -> jax.Array:

@@ -136,12 +136,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
         # nnx.value_and_grad (not jax's) so the model's nnx.remat blocks see a consistent trace context;
         # DiffState restricts the gradient to nnx.Param (router biases are not trained by gradient).
         grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
-        (_, metrics), grads = grad_fn(_merge(graphdef, state.params, state.extra), batch)
+        forward = _merge(graphdef, state.params, state.extra)
+        (_, metrics), grads = grad_fn(forward, batch)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         # Aux-loss-free balancing: bias moves by sign(mean load - load) after the weight update.
-        model = _merge(graphdef, params, state.extra)
+        # Non-Param state as the forward left it (router_center_ema's running means; else state.extra).
+        model = _merge(graphdef, params, nnx.split(forward, nnx.Param, ...)[2])
         rate = bias_rate(state.step) if callable(bias_rate) else bias_rate  # the schedule of router.bias_rate_at
         with jax.named_scope("router"):
             update_router_bias(model, jax.lax.stop_gradient(metrics["expert_load"]), rate)
