@@ -1,0 +1,139 @@
+"""Tidy CSV (+ optional figure) from `train_once.py` run records: one row per run, with its switches,
+throughput, the router's regime over the timed steps, measured vs predicted memory, and provenance.
+
+    python benchmarks/runs_table.py experiments/results/step_cuts_h200 --csv experiments/results/step_cuts_h200.csv
+    python benchmarks/runs_table.py experiments/results/full_deepseek_h200 \\
+        --csv experiments/results/full_deepseek_h200.csv --figure experiments/figures/full_deepseek_h200.png
+
+Measured memory is XLA's buffer assignment of the compiled train step (`compiled_total_bytes`): the
+process-wide peak counter (`peak_memory_bytes`) never resets, so after the first run of a process it
+reports the largest run so far. Predicted memory is `accounting.memory_prediction` of the run's config.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _records import write_csv  # noqa: E402
+
+GIB = 2**30
+SWITCHES = ("remat_policy", "adam_mu_dtype", "cast_params_before_scan", "loss_chunk_tokens", "param_dtype",
+            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth")
+
+
+def _regime(history: list[dict], skip: int) -> tuple[float, str]:
+    """Median max/mean expert load over the timed steps, and a word for it (top-k of E: E/k = all on k)."""
+    loads = [h["load_max_over_mean"] for h in history[skip:] if math.isfinite(h.get("load_max_over_mean", math.nan))]
+    if not loads:
+        return math.nan, "unknown"
+    load = statistics.median(loads)
+    return load, "balanced (<= 2)" if load <= 2.0 else ("skewed (2-5)" if load <= 5.0 else "collapsed (> 5)")
+
+
+def _resolved(config: dict):
+    """The run's TrainConfig and ModelConfig with every default filled in."""
+    from turbo_moe.train import TrainConfig
+
+    tc = TrainConfig.from_dict({"progress": False, **config})
+    return tc, tc.model_config()
+
+
+def _predicted_gib(tc, cfg) -> float:
+    from turbo_moe.experiments.accounting import memory_prediction
+
+    pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len or cfg.max_seq_len, adam_mu_dtype=tc.adam_mu_dtype)
+    return sum(pred.values()) / GIB
+
+
+def row(record: dict, source: Path) -> dict:
+    config, summary, prov = record["config"], record.get("summary") or {}, record.get("provenance") or {}
+    tc, cfg = _resolved(config)
+    merged = {k: getattr(cfg, k) if hasattr(cfg, k) else getattr(tc, k, None) for k in SWITCHES}
+    merged["moe_path"] = cfg.moe_path
+    skip = int(config.get("skip_steps_for_tgs", 3))
+    load, regime = _regime(record.get("history") or [], skip)
+    measured = summary.get("compiled_total_bytes")
+    predicted = _predicted_gib(tc, cfg)
+    return {
+        "run": f"{source.parent.name}/{source.stem}", "moe_path": merged.get("moe_path"), "model": config.get("model"),
+        **{k: merged.get(k) for k in SWITCHES},
+        "per_device_batch": tc.per_device_batch, "seq_len": tc.seq_len,
+        "status": record.get("status"), "error": (record.get("error") or "")[:200],
+        "tgs": summary.get("tgs"), "mfu": summary.get("mfu"), "step_ms": 1e3 * summary["step_time_s"]
+        if summary.get("step_time_s") is not None else None, "tgs_steps": summary.get("tgs_steps"),
+        "load_max_over_mean_timed": load, "routing_regime": regime,
+        "dropped_fraction_mean": summary.get("dropped_fraction_mean"), "final_loss": summary.get("final_loss"),
+        "measured_gib": measured / GIB if measured else None, "predicted_gib": predicted,
+        "predicted_over_measured": predicted / (measured / GIB) if measured else None,
+        "compile_time_s": summary.get("compile_time_s"), "init_lowering": summary.get("init_lowering"),
+        "params_total": summary.get("params_total"), "flops_per_token": summary.get("flops_per_token"),
+        "device": prov.get("device_kind"), "jax": prov.get("jax_version"), "commit": prov.get("git_commit"),
+        "date": prov.get("date"), "config_json": json.dumps(config, sort_keys=True),
+    }
+
+
+def figure(rows: list[dict], path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['moe_path']}" + (f"\ncf {r['capacity_factor']}" if r["moe_path"] == "dense_cf" else "")
+              + (f"\nlr {r['learning_rate']}" if r.get("learning_rate") else "") for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    x = range(len(rows))
+    axes[0].bar(x, [r["tgs"] or 0 for r in rows], color="tab:blue")
+    axes[0].set_ylabel("tokens / GPU / s")
+    axes[1].bar(x, [100 * (r["mfu"] or 0) for r in rows], color="tab:green")
+    axes[1].set_ylabel("MFU %")
+    width = 0.4
+    axes[2].bar([i - width / 2 for i in x], [r["measured_gib"] or 0 for r in rows], width, label="measured (XLA)")
+    axes[2].bar([i + width / 2 for i in x], [r["predicted_gib"] or 0 for r in rows], width, label="predicted")
+    axes[2].set_ylabel("GiB per device")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xticks(list(x), labels, fontsize=7)
+    for ax, r in ((axes[0], rows[0]),):
+        ax.set_title(f"{r['device']}, jax {r['jax']}, {r['commit']}", fontsize=8, loc="left")
+    regimes = "; ".join(sorted({f"{r['routing_regime']}" for r in rows})) + " routing over the timed steps"
+    failed = [f"{r['moe_path']}: {r['status']}" for r in rows if r["status"] != "ok"]
+    fig.suptitle("\n".join(filter(None, [title, regimes + ("; " + ", ".join(failed) if failed else "")])), fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"saved {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="+", help="folders of train_once records (*.json with config/summary)")
+    ap.add_argument("--csv", required=True)
+    ap.add_argument("--figure", default=None)
+    ap.add_argument("--title", default="", help="first line of the figure's title (what was run)")
+    args = ap.parse_args()
+    rows = []
+    for folder in args.dirs:
+        for path in sorted(Path(folder).glob("*.json")):
+            record = json.loads(path.read_text())
+            if "config" in record:
+                rows.append(row(record, path))
+    if not rows:
+        raise SystemExit(f"no train_once records (*.json with a 'config') in {args.dirs}")
+    write_csv(rows, Path(args.csv))
+    for r in rows:
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+               if k in ("run", "moe_path", "status", "tgs", "mfu", "step_ms", "routing_regime",
+                        "measured_gib", "predicted_gib")})
+    if args.figure:
+        ok = [r for r in rows if r["status"] == "ok"]
+        figure(ok + [r for r in rows if r["status"] != "ok"] if ok else rows, Path(args.figure), args.title)
+
+
+if __name__ == "__main__":
+    main()
