@@ -46,7 +46,6 @@ def test_unknown_path_is_refused():
 def test_issue14_switches_move_their_terms():
     cfg = get_config("reduced", moe_path="turbo")
     base = accounting.memory_prediction(cfg, 8, 2048)
-    assert base["cast weights"] == 0.0  # off by default
     # bf16 first moment: 2 bytes less per parameter, only in the states
     bf16_mu = accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="bfloat16")
     params = accounting.param_budget(cfg)["allocated (with MTP)"]
@@ -60,12 +59,6 @@ def test_issue14_switches_move_their_terms():
     expected = 4096 * v * (4 + 4 + 2) + heads * (8 * 2048 * d + d * v) * 4
     assert chunked["logits"] == pytest.approx(expected) and chunked["logits"] < base["logits"] / 3
     assert {k: chunked[k] for k in base if k != "logits"} == {k: base[k] for k in base if k != "logits"}
-    # cast before the scan: a bf16 copy of the stacked weights (2 bytes per parameter of the stacks)
-    cast = accounting.memory_prediction(cfg.replace(cast_params_before_scan=True), 8, 2048)["cast weights"]
-    counts = accounting.count_params(cfg)
-    assert cast == pytest.approx(2 * (counts["total"] - counts["embedding"] - counts["head"] - cfg.d_model))
-    assert accounting.cast_weight_bytes_per_device(cfg.replace(cast_params_before_scan=True, dtype="float32"),
-                                                   accounting.MeshShape()) == 0.0
 
 
 def test_states_follow_the_param_dtype_as_optax_keeps_them():

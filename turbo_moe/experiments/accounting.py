@@ -10,8 +10,8 @@ The estimates are analytic and state their assumptions:
 - Activations for ``per_device_batch`` sequences, at the start of the backward pass: every layer's saved
   values under its remat policy (``saved_values_per_token``), one layer's working set, and the float32
   logits of the output heads (one chunk's with ``loss_chunk_tokens``). Layers are split over ``pipeline``;
-  a layer's values over ``tensor``. With ``cast_params_before_scan``, the stacked weights' compute-dtype
-  copy.
+  a layer's values over ``tensor``. ``cast_params_before_scan`` is not modelled: XLA:CPU and the GPU
+  move the peak in opposite directions (experiments/NOTES.md, issue 14 part 2).
 - The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
   one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included); the
   dropless paths (``paths.DROPLESS_PATHS``: ragged, turbo, pallas) hold the B S k sorted token copies only.
@@ -120,19 +120,6 @@ def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str
     return per_param * _per_device(budget["routed experts"], budget["other"], mesh)
 
 
-def cast_weight_bytes_per_device(cfg: ModelConfig, mesh: MeshShape) -> float:
-    """``cast_params_before_scan``: the compute-dtype copy of the layer stacks' weights, live from the forward
-    to the end of the backward (XLA:CPU's buffer assignment of `small` in bf16: +16.3 MiB for a 16.7 MiB copy;
-    their gradient, stacked in the compute dtype, took no extra room there). 0 when off or when the
-    parameters are already in the compute dtype."""
-    if not cfg.cast_params_before_scan or cfg.param_dtype == cfg.dtype:
-        return 0.0
-    counts = count_params(cfg)
-    stacked = counts["total"] - counts["embedding"] - counts["head"] - cfg.d_model  # minus the final norm
-    routed = cfg.n_moe_layers * cfg.n_experts * 3 * cfg.d_model * cfg.moe_ffn_dim
-    return _BYTES[cfg.dtype] * _per_device(routed, stacked - routed, mesh)
-
-
 def moe_working_set_bytes(cfg: ModelConfig, path: str, per_device_batch: int, seq_len: int) -> float:
     """Live bytes of one MoE layer's forward for ``per_device_batch`` sequences (compute dtype)."""
     _check_path(path)
@@ -220,13 +207,12 @@ def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
                       mesh: MeshShape | None = None, adam_mu_dtype: str | None = None) -> dict[str, float]:
     """Predicted peak bytes per device of one training step of ``cfg`` (its own ``moe_path``): AdamW
     states (parameters, gradients, two moments; ``adam_mu_dtype`` as the TrainConfig field) plus the
-    activations above, plus the cast weights of ``cast_params_before_scan`` (0 when off). Checked against
-    XLA's buffer assignment by ``benchmarks/memory_check.py`` (experiments/NOTES.md, issue 12)."""
+    activations above. Checked against XLA's buffer assignment by ``benchmarks/memory_check.py``
+    (experiments/NOTES.md, issue 12)."""
     mesh = mesh or MeshShape()
     _check_path(cfg.moe_path)
     return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype),
-            **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len),
-            "cast weights": cast_weight_bytes_per_device(cfg, mesh)}
+            **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len)}
 
 
 def full_model_table(
