@@ -83,9 +83,10 @@ def figure(rows: list[dict], path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['moe_path']}" + (f"\ncf {r['capacity_factor']}" if r["moe_path"] == "dense_cf" else "")
-              + (f"\nlr {r['learning_rate']}" if r.get("learning_rate") else "") for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    labels = [f"{r['moe_path']}" + (f" cf {r['capacity_factor']}" if r["moe_path"] == "dense_cf" else "")
+              + f" b{r['per_device_batch']}" + (f" lr {r['learning_rate']:g}" if r.get("learning_rate") else "")
+              + ("" if r["status"] == "ok" else f" ({r['status']})") for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 5.2))
     x = range(len(rows))
     axes[0].bar(x, [r["tgs"] or 0 for r in rows], color="tab:blue")
     axes[0].set_ylabel("tokens / GPU / s")
@@ -97,9 +98,9 @@ def figure(rows: list[dict], path: Path, title: str = "") -> None:
     axes[2].set_ylabel("GiB per device")
     axes[2].legend(fontsize=8)
     for ax in axes:
-        ax.set_xticks(list(x), labels, fontsize=7)
-    for ax, r in ((axes[0], rows[0]),):
-        ax.set_title(f"{r['device']}, jax {r['jax']}, {r['commit']}", fontsize=8, loc="left")
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=55, ha="right")
+    devices = ", ".join(sorted({f"{r['device']}, jax {r['jax']}" for r in rows}))
+    axes[0].set_title(f"{devices}; commits {', '.join(sorted({str(r['commit']) for r in rows}))}", fontsize=7, loc="left")
     regimes = "; ".join(sorted({f"{r['routing_regime']}" for r in rows})) + " routing over the timed steps"
     failed = [f"{r['moe_path']}: {r['status']}" for r in rows if r["status"] != "ok"]
     fig.suptitle("\n".join(filter(None, [title, regimes + ("; " + ", ".join(failed) if failed else "")])), fontsize=9)

@@ -1,0 +1,56 @@
+"""benchmarks/runs_table.py: train_once records -> tidy rows (regime, measured vs predicted memory)."""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def runs_table():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("runs_table", ROOT / "benchmarks" / "runs_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(loads, status="ok", measured=40 * 2**30):
+    config = {"model": "reduced", "dataset": "synthetic", "seq_len": 2048, "per_device_batch": 8, "steps": len(loads),
+              "warmup_steps": 1, "adam_mu_dtype": "bfloat16", "model_overrides": {"moe_path": "turbo"}}
+    return {"config": config, "status": status, "error": None,
+            "summary": {"tgs": 9e4, "mfu": 0.24, "step_time_s": 0.175, "compiled_total_bytes": measured},
+            "provenance": {"device_kind": "NVIDIA H200", "jax_version": "0.11.2", "git_commit": "abc"},
+            "history": [{"step": i, "loss": 1.0, "load_max_over_mean": x} for i, x in enumerate(loads)]}
+
+
+def test_regime_is_read_from_the_timed_steps_only(runs_table):
+    # steps 0-2 are skipped (skip_steps_for_tgs 3): their 10.7 must not make the run "collapsed"
+    load, regime = runs_table._regime(_record([10.7, 10.7, 10.7, 1.5, 1.8, 1.6])["history"], 3)
+    assert load == pytest.approx(1.6) and regime == "balanced (<= 2)"
+    assert runs_table._regime(_record([1.0, 1.0, 1.0, 9.0, 8.0, 7.5])["history"], 3)[1] == "collapsed (> 5)"
+    assert runs_table._regime([], 3)[1] == "unknown"
+
+
+def test_row_resolves_defaults_and_compares_memory(runs_table, tmp_path):
+    from turbo_moe.experiments.accounting import memory_prediction
+    from turbo_moe.model import get_config
+
+    path = tmp_path / "cuts" / "0_turbo.json"
+    path.parent.mkdir()
+    record = _record([1.5] * 8)
+    path.write_text(json.dumps(record))
+    row = runs_table.row(record, path)
+    assert row["run"] == "cuts/0_turbo" and row["moe_path"] == "turbo"
+    assert row["remat_policy"] == get_config("reduced").remat_policy  # the preset's, not None
+    assert row["adam_mu_dtype"] == "bfloat16" and row["step_ms"] == pytest.approx(175.0)
+    expected = sum(memory_prediction(get_config("reduced", moe_path="turbo"), 8, 2048, adam_mu_dtype="bfloat16").values())
+    assert row["predicted_gib"] == pytest.approx(expected / 2**30)
+    assert row["predicted_over_measured"] == pytest.approx(row["predicted_gib"] / 40)
+    failed = {**_record([1.0] * 4, status="oom", measured=None), "history": []}
+    oom = runs_table.row(failed, path)
+    assert oom["measured_gib"] is None and math.isnan(oom["load_max_over_mean_timed"])
