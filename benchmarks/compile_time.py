@@ -109,7 +109,6 @@ def _time_steps(program, train, key, batch: int, seq: int, mesh, n: int, vocab: 
     return {"timed_steps": n, "step_ms": round(1e3 * step_s, 2), "tgs": round(batch * seq / step_s, 1)}
 
 
-
 def run_child(case: str, mode: str, args) -> dict:
     moe_path, timeout_s = args.moe_path, args.timeout_s
     cmd = [sys.executable, __file__, "--child", f"{case}:{mode}", "--moe-path", moe_path,

@@ -80,32 +80,31 @@ class InitProgram:
             return self.jitted.lower(key)
 
     def compile(self, key):
-        """Compile once (cached): with the kernel lowering where it fits, else the default lowering."""
-        if key.dtype in self._compiled:
-            return self._compiled[key.dtype]
+        """Compile once per key kind (cached): with the kernel lowering where it fits, else the default."""
+        if key.dtype not in self._compiled:
+            self._compiled[key.dtype] = self._compile(key)
+        return self._compiled[key.dtype]
+
+    def _compile(self, key):
         if not self._gpu or self.mode == "off":
-            self.last_choice = {"lowering": "default", "why": "mode off" if self._gpu else "not a GPU"}
-            self._compiled[key.dtype] = self.lower(key, kernel=False).compile()
-            return self._compiled[key.dtype]
+            return self._default(key, "mode off" if self._gpu else "not a GPU")
         start = time.perf_counter()
         try:
             compiled = self.lower(key, kernel=True).compile()
         except Exception as error:  # noqa: BLE001 — e.g. a jaxlib without the kernel: the default lowering
             if self.mode == "on":
                 raise
-            self.last_choice = {"lowering": "default", "why": f"kernel lowering failed: {type(error).__name__}: {error}"}
-            self._compiled[key.dtype] = self.lower(key, kernel=False).compile()
-            return self._compiled[key.dtype]
+            return self._default(key, f"kernel lowering failed: {type(error).__name__}: {error}")
         need, limit = _program_bytes(compiled), _device_bytes_limit()
-        fits = need is None or limit is None or need <= FIT_FRACTION * limit
+        if self.mode == "auto" and need is not None and limit is not None and need > FIT_FRACTION * limit:
+            return self._default(key, f"kernel lowering needs {need} bytes > {FIT_FRACTION} x {limit}")
         self.last_choice = {"lowering": "kernel", "program_bytes": need, "device_bytes_limit": limit,
                             "kernel_compile_s": round(time.perf_counter() - start, 2)}
-        if self.mode == "auto" and not fits:  # the kernel's operands do not fit: the default lowering
-            self.last_choice.update(lowering="default",
-                                    why=f"kernel lowering needs {need} bytes > {FIT_FRACTION} x {limit}")
-            compiled = self.lower(key, kernel=False).compile()
-        self._compiled[key.dtype] = compiled
         return compiled
+
+    def _default(self, key, why: str):
+        self.last_choice = {"lowering": "default", "why": why}
+        return self.lower(key, kernel=False).compile()
 
     def __call__(self, key):
         if isinstance(key, jax.core.Tracer) or not self._gpu:  # traced, or the CPU: the plain jitted init

@@ -102,7 +102,7 @@ class _Trainer:
             except BaseException:
                 pending.cancel()
                 raise
-            self.init_lowering = getattr(program.init, "last_choice", {}).get("lowering")  # threefry: kernel | default
+            self.init_lowering = program.init.last_choice.get("lowering")  # threefry: kernel | default
             self._enter("compilation")  # what is left of it once the state exists
             compiled = pending.result()
         self._check_fits()

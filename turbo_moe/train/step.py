@@ -141,7 +141,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        # Aux-loss-free balancing: bias moves by sign(mean load - load) after the weight update.
+        # Aux-loss-free balancing: the bias moves toward the mean load (router_bias_update) after the weight update.
         # Non-Param state as the forward left it (router_center_ema's running means; else state.extra).
         model = _merge(graphdef, params, nnx.split(forward, nnx.Param, ...)[2])
         rate = bias_rate(state.step) if callable(bias_rate) else bias_rate  # the schedule of router.bias_rate_at
