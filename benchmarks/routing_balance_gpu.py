@@ -57,6 +57,10 @@ from _records import parse_paths  # noqa: E402
 # "center": router centering (router_center_ema 0.3: the running-mean direction of the router input
 # projected out of every token before top-k; experiments/NOTES.md, issue 13 part 5) on the preset;
 # "center_lrs_prop": the same on top of lrs_prop.
+# "unigram*": the output head's bias starts at the data's log unigram frequencies (head_bias "unigram":
+# the model does not learn them as a shared direction in the warm-up, NOTES issue 13 part 6), on the
+# preset, on "prop" and on "lrs_prop".
+_LRS_PROP = {"router_lr_scale": 0.1, "router_bias_update": "proportional", "router_bias_rate": 1e-2}
 RECIPES = {
     "preset": {},
     "bias1e-2": {"router_bias_rate": 1e-2},
@@ -68,11 +72,13 @@ RECIPES = {
     "lrs": {"router_lr_scale": 0.1},
     "lrs_bias1e-2": {"router_lr_scale": 0.1, "router_bias_rate": 1e-2},
     "prop": {"router_bias_update": "proportional", "router_bias_rate": 1e-2},
-    "lrs_prop": {"router_lr_scale": 0.1, "router_bias_update": "proportional", "router_bias_rate": 1e-2},
+    "lrs_prop": _LRS_PROP,
     "lrs0.02_prop": {"router_lr_scale": 0.02, "router_bias_update": "proportional", "router_bias_rate": 1e-2},
     "center": {"router_center_ema": 0.3},
-    "center_lrs_prop": {"router_center_ema": 0.3, "router_lr_scale": 0.1, "router_bias_update": "proportional",
-                        "router_bias_rate": 1e-2},
+    "center_lrs_prop": {"router_center_ema": 0.3, **_LRS_PROP},
+    "unigram": {"head_bias": "unigram"},
+    "unigram_prop": {"head_bias": "unigram", "router_bias_update": "proportional", "router_bias_rate": 1e-2},
+    "unigram_lrs_prop": {"head_bias": "unigram", **_LRS_PROP},
 }
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from turbo_moe.data import BatchIterator, load_dataset
+from turbo_moe.data import BatchIterator, load_dataset, unigram_log_prior
 from turbo_moe.model import DeepSeekModel, get_config, lm_loss, update_router_bias
 from turbo_moe.model import router as router_mod
 from turbo_moe.provenance import collect as collect_provenance
@@ -183,6 +183,8 @@ def run_probe(args):
     data = load_dataset(args.dataset, seq_len=args.seq, vocab_size=cfg.vocab_size)
     batches = BatchIterator(data.train, args.batch, seed=args.seed)
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(args.seed))
+    if cfg.head_bias == "unigram":  # as turbo_moe.train does at init
+        model.head_bias[...] = jnp.asarray(unigram_log_prior(data.train, cfg.vocab_size))
     graphdef, params, extra = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params)
     recorder = Recorder(cfg.n_router_layers)

@@ -104,6 +104,21 @@ def test_dense_cf_with_remat_on_synthetic_data_reports_drops(base):
     assert len(r.history[-1]["load_max_over_mean_per_layer"]) == 1
 
 
+def test_unigram_head_bias_starts_at_the_data_unigram_loss(base):
+    # head_bias "unigram": the first step's loss is the data's unigram cross-entropy (the corpus uses ~30
+    # words of 256 ids), far below the zero bias's ~ln V; "zero" changes nothing at init.
+    fast = {"n_layers": 2, "mtp_depth": 0}
+    losses = {}
+    for head_bias in ("none", "zero", "unigram"):
+        r = run(base.replace(model_overrides={**fast, "head_bias": head_bias}, steps=1, lr_schedule_steps=None,
+                             warmup_steps=1, eval_every=0))
+        assert r.status == "ok", r.error
+        losses[head_bias] = r.history[0]["ce_loss"]
+    np.testing.assert_allclose(losses["zero"], losses["none"], rtol=1e-6)
+    assert abs(losses["none"] - math.log(256)) < 0.3
+    assert losses["unigram"] < losses["none"] - 1.5, losses
+
+
 def test_nan_loss_returns_status_nan(base):
     # Weights initialised at 1e30 overflow: a genuine non-finite loss within the first steps.
     r = run(base.replace(model_overrides={"init_std": 1e30}, steps=5))

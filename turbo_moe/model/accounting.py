@@ -46,7 +46,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
             continue
         total += size
         embedding += size if top == "embed" else 0
-        head += size if top == "head" else 0
+        head += size if top in ("head", "head_bias") else 0
         inactive += size * unused_expert_share if is_routed else 0.0
     return {
         "total": total,

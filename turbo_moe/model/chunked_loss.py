@@ -9,7 +9,7 @@ recomputed, and the backward only scales the two by the incoming cotangent.
 Numerics: the loss is the unchunked one up to float32 summation order. The head's backward matmuls take
 dL/dlogits in the compute dtype (bf16 by default) with float32 accumulation, like every other layer's
 backward; the unchunked path multiplies the float32 dL/dlogits by the bf16 operands upcast to float32.
-dL/dhead is accumulated over the chunks in float32.
+dL/dhead (and dL/dbias of an optional float32 head bias) is accumulated over the chunks in float32.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import jax.numpy as jnp
 
 
 def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, targets: jax.Array, mask: jax.Array,
-                          chunk_tokens: int, vocab_major: bool = False) -> jax.Array:
+                          chunk_tokens: int, vocab_major: bool = False, bias: jax.Array | None = None
+                          ) -> jax.Array:
     """Mean token cross-entropy over `mask` of the logits `hidden @ head`: `model.cross_entropy` of
     `model.logits(hidden)`, without the (B, S, V) logits.
 
     hidden (B, S, D) in the compute dtype (final-normalised); weight (D, V), or (V, D) with `vocab_major`
-    (a tied embedding table), in the parameter dtype (cast to hidden's dtype per chunk); targets, mask
-    (B, S). A chunk spans every sequence of the batch and `max(1, chunk_tokens // B)` positions (chunks
+    (a tied embedding table), in the parameter dtype (cast to hidden's dtype per chunk); bias None or
+    (V,) float32, added to the float32 logits (`ModelConfig.head_bias`); targets, mask (B, S). A chunk
+    spans every sequence of the batch and `max(1, chunk_tokens // B)` positions (chunks
     over positions keep a batch sharded over devices evenly split); the last chunk is zero-padded and
     masked when the positions do not divide.
     """
@@ -40,8 +42,11 @@ def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, targets: jax.Arr
     if weight.ndim != 2 or weight.shape[1 - vocab_axis] != hidden.shape[-1]:
         raise ValueError(f"weight {weight.shape} does not match hidden size {hidden.shape[-1]} "
                          f"({'(V, D)' if vocab_major else '(D, V)'} expected)")
+    vocab = weight.shape[vocab_axis]
+    if bias is not None and (bias.shape != (vocab,) or bias.dtype != jnp.float32):
+        raise ValueError(f"bias must be float32 ({vocab},) (the head's vocabulary), got {bias.dtype}{tuple(bias.shape)}")
     static = (chunk_tokens, bool(vocab_major), jnp.dtype(hidden.dtype).name, jnp.dtype(weight.dtype).name)
-    return _cross_entropy(hidden, weight, targets.astype(jnp.int32), mask.astype(jnp.float32), static)
+    return _cross_entropy(hidden, weight, bias, targets.astype(jnp.int32), mask.astype(jnp.float32), static)
 
 
 def chunk_positions(batch: int, seq_len: int, chunk_tokens: int) -> tuple[int, int]:
@@ -69,9 +74,10 @@ def _equations(vocab_major: bool) -> tuple[str, str, str]:
     return f"bpd,{w}->bpv", f"bpv,{w}->bpd", f"bpd,bpv->{w}"
 
 
-def _chunk_logits(h, weight, vocab_major):
+def _chunk_logits(h, weight, bias, vocab_major):
     """One chunk's float32 logits (B, P, V), as `DeepSeekModel.logits` computes them."""
-    return jnp.einsum(_equations(vocab_major)[0], h, weight.astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.einsum(_equations(vocab_major)[0], h, weight.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits if bias is None else logits + bias
 
 
 def _nll(logits, targets):
@@ -86,48 +92,52 @@ def _split(hidden, targets, mask, chunk_tokens):
     return tuple(_to_chunks(x, positions, n) for x in (hidden, targets, mask))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _cross_entropy(hidden, weight, targets, mask, static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _cross_entropy(hidden, weight, bias, targets, mask, static):
     """Loss only (evaluation, or the primal of the VJP): one chunk's logits live at a time."""
     chunk_tokens, vocab_major, _, _ = static
 
     def body(total, xs):
         h, t, m = xs
-        nll, _ = _nll(_chunk_logits(h, weight, vocab_major), t)
+        nll, _ = _nll(_chunk_logits(h, weight, bias, vocab_major), t)
         return total + jnp.sum(nll * m), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), _split(hidden, targets, mask, chunk_tokens))
     return total / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _cross_entropy_fwd(hidden, weight, targets, mask, static):
+def _cross_entropy_fwd(hidden, weight, bias, targets, mask, static):
     """Loss and its gradients in one pass over the chunks; the gradients are the residuals."""
     chunk_tokens, vocab_major, _, _ = static
     _, grad_hidden_eq, grad_weight_eq = _equations(vocab_major)
     inv_count = 1.0 / jnp.maximum(jnp.sum(mask), 1.0)
 
     def body(carry, xs):
-        total, grad_weight = carry
+        total, grad_weight, grad_bias = carry
         h, t, m = xs
-        logits = _chunk_logits(h, weight, vocab_major)  # (B, P, V) float32
+        logits = _chunk_logits(h, weight, bias, vocab_major)  # (B, P, V) float32
         nll, lse = _nll(logits, t)
         # d(sum m * nll / count) / dlogits = (softmax - onehot(target)) * m / count
         grad_logits = (jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
                        ) * (m * inv_count)[..., None]
+        if bias is not None:  # the bias gradient from the float32 dL/dlogits, before their rounding
+            grad_bias = grad_bias + jnp.sum(grad_logits, axis=(0, 1))
         grad_logits = grad_logits.astype(h.dtype)  # backward matmuls in the compute dtype, float32 accumulation
         grad_h = jnp.einsum(grad_hidden_eq, grad_logits, weight.astype(h.dtype), preferred_element_type=jnp.float32)
         grad_weight = grad_weight + jnp.einsum(grad_weight_eq, h, grad_logits, preferred_element_type=jnp.float32)
-        return (total + jnp.sum(nll * m), grad_weight), grad_h
+        return (total + jnp.sum(nll * m), grad_weight, grad_bias), grad_h
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32))
-    (total, grad_weight), grad_h = jax.lax.scan(body, init, _split(hidden, targets, mask, chunk_tokens))
-    return total * inv_count, (_from_chunks(grad_h, hidden.shape[1]), grad_weight)
+    grad_bias0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32), grad_bias0)
+    (total, grad_weight, grad_bias), grad_h = jax.lax.scan(body, init, _split(hidden, targets, mask, chunk_tokens))
+    return total * inv_count, (_from_chunks(grad_h, hidden.shape[1]), grad_weight, grad_bias)
 
 
 def _cross_entropy_bwd(static, residuals, g):
     _, _, hidden_dtype, weight_dtype = static
-    grad_h, grad_weight = residuals  # float32: one rounding, after the cotangent's scale
-    return (grad_h * g).astype(hidden_dtype), (grad_weight * g).astype(weight_dtype), None, None
+    grad_h, grad_weight, grad_bias = residuals  # float32: one rounding, after the cotangent's scale
+    return ((grad_h * g).astype(hidden_dtype), (grad_weight * g).astype(weight_dtype),
+            None if grad_bias is None else grad_bias * g, None, None)
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

@@ -19,6 +19,7 @@ PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
+HEAD_BIASES = ("none", "zero", "unigram")
 
 # MaxText spellings accepted by `from_dict` (left) for our field names (right).
 MAXTEXT_ALIASES = {
@@ -96,6 +97,11 @@ class ModelConfig:
     # each layer's float32 slice inside it: less scan-slicing traffic, bit-identical results (issue 14).
     cast_params_before_scan: bool = False
     tie_embeddings: bool = False
+    # Output-head bias, a float32 (V,) Param added to the main and MTP logits. "unigram": training sets it
+    # at init to the training split's log unigram frequencies, so the model need not learn them as one
+    # direction every token's hidden state carries, the direction that collapses the routers in the lr
+    # warm-up (NOTES, issue 13); "zero": learned from zero; "none": no bias (DeepSeek-V3).
+    head_bias: str = "none"
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02  # std of every projection's normal init
     # Token-embedding init std; None: d_model ** -0.5 (MaxText's fan-in default). Not init_std: with
@@ -277,6 +283,7 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
     _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
              f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+    _require(c.head_bias in HEAD_BIASES, "head_bias", f"got {c.head_bias!r}; expected one of {HEAD_BIASES}")
     _require(c.router_bias_update in ROUTER_BIAS_UPDATES, "router_bias_update",
              f"got {c.router_bias_update!r}; expected one of {ROUTER_BIAS_UPDATES}")
     for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "init_std", "router_lr_scale"):

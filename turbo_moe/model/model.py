@@ -67,21 +67,27 @@ class DeepSeekModel(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         self.head = None if cfg.tie_embeddings else linear(
             cfg, cfg.d_model, cfg.vocab_size, rngs, preferred_element_type=jnp.float32)
+        # float32 whatever the param dtype: log-frequencies span ~15 nats, bf16 would round them by ~0.06
+        self.head_bias = None if cfg.head_bias == "none" else nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
         self.mtp = nnx.List([MTPModule(cfg, d + 1, rngs) for d in range(cfg.mtp_depth)])
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Normalised hidden (B, S, D) -> float32 logits (B, S, V) through the (shared) output head."""
         if self.head is None:
-            return jnp.einsum("bsd,vd->bsv", h, self.embed.embedding[...].astype(h.dtype),
-                              preferred_element_type=jnp.float32)
-        return self.head(h).astype(jnp.float32)
+            logits = jnp.einsum("bsd,vd->bsv", h, self.embed.embedding[...].astype(h.dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = self.head(h).astype(jnp.float32)
+        return logits if self.head_bias is None else logits + self.head_bias[...]
 
-    def head_weight(self) -> tuple[jax.Array, bool]:
-        """The output head's weight in the parameter dtype, and whether it is vocab-major: the tied
-        embedding (V, D), else the head kernel (D, V). For losses that apply the head themselves."""
+    def head_weight(self) -> tuple[jax.Array, bool, jax.Array | None]:
+        """The output head's weight in the parameter dtype, whether it is vocab-major (the tied
+        embedding (V, D), else the head kernel (D, V)), and its float32 (V,) bias or None. For losses
+        that apply the head themselves."""
+        bias = None if self.head_bias is None else self.head_bias[...]
         if self.head is None:
-            return self.embed.embedding[...], True
-        return self.head.kernel[...], False
+            return self.embed.embedding[...], True, bias
+        return self.head.kernel[...], False, bias
 
     def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *, apply_head: bool = True
                  ) -> ModelOutput:
@@ -183,8 +189,9 @@ def lm_loss(model: DeepSeekModel, batch: dict) -> tuple[jax.Array, dict]:
     # loss_chunk_tokens > 0: the model returns normalised hidden states and the head runs chunk by chunk
     out = model(inputs, targets, apply_head=not cfg.loss_chunk_tokens)
     if cfg.loss_chunk_tokens:
-        weight, vocab_major = model.head_weight()
-        cross_entropy_fn = lambda h, t, m: chunked_cross_entropy(h, weight, t, m, cfg.loss_chunk_tokens, vocab_major)
+        weight, vocab_major, bias = model.head_weight()
+        cross_entropy_fn = lambda h, t, m: chunked_cross_entropy(h, weight, t, m, cfg.loss_chunk_tokens, vocab_major,
+                                                                 bias=bias)
     else:
         cross_entropy_fn = cross_entropy
     with jax.named_scope("loss"):

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from turbo_moe.data import BatchIterator, Dataset, eval_batches, load_dataset
+from turbo_moe.data import BatchIterator, Dataset, eval_batches, load_dataset, unigram_log_prior
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
 from turbo_moe.train import metrics as M
 from turbo_moe.train.checkpoint import Checkpointer
@@ -25,7 +25,7 @@ from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.progress import RunProgress, summary_line
 from turbo_moe.train.result import RunResult
 from turbo_moe.train.step import (
-    abstract_batch, build_program, device_batch, learning_rate_schedule, make_mesh, make_optimizer)
+    abstract_batch, build_program, device_batch, learning_rate_schedule, make_mesh, make_optimizer, with_head_bias)
 
 
 class OutOfMemory(MemoryError):
@@ -98,7 +98,7 @@ class _Trainer:
             pending = pool.submit(self._compile, program.train, program.abstract_state, mesh)
             self._enter("initialisation")
             try:
-                state = self._maybe_resume(jax.block_until_ready(program.init(jax.random.key(tc.seed))))
+                state = self._maybe_resume(self._head_prior(program.init(jax.random.key(tc.seed))))
             except BaseException:
                 pending.cancel()
                 raise
@@ -181,6 +181,12 @@ class _Trainer:
     def _evaluate(self, eval_step, state, val: list[dict]) -> float:
         losses = [float(eval_step(state, batch)["ce_loss"]) for batch in val]
         return float(np.mean(losses))
+
+    def _head_prior(self, state):
+        """head_bias "unigram": the head's bias starts at the training split's log unigram frequencies."""
+        if self.model_cfg.head_bias == "unigram":
+            state = with_head_bias(state, unigram_log_prior(self.dataset.train, self.model_cfg.vocab_size))
+        return jax.block_until_ready(state)
 
     def _maybe_resume(self, state):
         if not (self.tc.resume and self.checkpointer and self.checkpointer.latest_step() is not None):

@@ -117,6 +117,20 @@ def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation):
     return new_model, create
 
 
+def with_head_bias(state: TrainState, values: np.ndarray) -> TrainState:
+    """`state` with the output head's bias (`ModelConfig.head_bias`) set to `values` (V,), laid out as
+    the one it replaces (any mesh, any number of processes); the optimizer's moments stay zero."""
+    if "head_bias" not in state.params:
+        raise ValueError("the model has no output head bias (ModelConfig.head_bias is 'none')")
+    old = state.params["head_bias"][...]
+    values = np.asarray(values, old.dtype)
+    if values.shape != old.shape:
+        raise ValueError(f"head bias values: shape {values.shape} != the head's vocabulary {old.shape}")
+    params = jax.tree.map(lambda x: x, state.params)  # new containers: the caller's state is left as it was
+    params["head_bias"][...] = jax.make_array_from_callback(old.shape, old.sharding, lambda index: values[index])
+    return state._replace(params=params)
+
+
 def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
                fsdp: bool = True):
     """Initialise the model and optimizer over the mesh (state_shardings). Returns (graphdef, TrainState)."""
