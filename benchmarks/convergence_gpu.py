@@ -52,8 +52,8 @@ SMOKE_SIZES = dict(  # a tiny `reduced`-like model: same routing proportions, CP
     q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     max_seq_len=64, remat_policy="none", dtype="float32",
 )
-ROUTER_FIELDS = ("router_bias_rate", "router_bias_rate_start", "router_bias_rate_decay_steps", "router_init_std",
-                 "balance_loss_weight", "n_experts", "top_k", "n_groups", "topk_groups", "routed_scaling_factor")
+ROUTER_FIELDS = ("head_bias", "zero_init_out_proj", "router_bias_update", "router_lr_scale", "router_bias_rate",
+                 "router_bias_rate_start", "router_bias_rate_decay_steps", "router_init_std", "balance_loss_weight", "n_experts", "top_k", "n_groups", "topk_groups", "routed_scaling_factor")
 NEW_PATH_FACTOR = 1.6
 
 

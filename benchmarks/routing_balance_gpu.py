@@ -59,7 +59,8 @@ from _records import parse_paths  # noqa: E402
 # "center_lrs_prop": the same on top of lrs_prop.
 # "unigram*": the output head's bias starts at the data's log unigram frequencies (head_bias "unigram":
 # the model does not learn them as a shared direction in the warm-up, NOTES issue 13 part 6), on the
-# preset, on "prop" and on "lrs_prop".
+# preset, on "prop" and on "lrs_prop". "zero_*": also zero_init_out_proj (every block starts as the identity:
+# no shared direction from depth at init, part 6).
 _LRS_PROP = {"router_lr_scale": 0.1, "router_bias_update": "proportional", "router_bias_rate": 1e-2}
 RECIPES = {
     "preset": {},
@@ -79,6 +80,9 @@ RECIPES = {
     "unigram": {"head_bias": "unigram"},
     "unigram_prop": {"head_bias": "unigram", "router_bias_update": "proportional", "router_bias_rate": 1e-2},
     "unigram_lrs_prop": {"head_bias": "unigram", **_LRS_PROP},
+    "zero_unigram_lrs_prop": {"zero_init_out_proj": True, "head_bias": "unigram", **_LRS_PROP},
+    "zero_unigram_prop": {"zero_init_out_proj": True, "head_bias": "unigram", "router_bias_update": "proportional",
+                          "router_bias_rate": 1e-2},
 }
 
 

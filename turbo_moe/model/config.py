@@ -102,6 +102,12 @@ class ModelConfig:
     # direction every token's hidden state carries, the direction that collapses the routers in the lr
     # warm-up (NOTES, issue 13); "zero": learned from zero; "none": no bias (DeepSeek-V3).
     head_bias: str = "none"
+    # Zero-init the projections back into the residual stream (attention and SwiGLU `wo`, experts'
+    # `w_down`): every block starts as the identity, so the router inputs are the token embeddings at
+    # every depth. With random ones, the near-uniform attention of a fresh model adds nearly the same
+    # vector to every token in each layer (router-input cos 0.05 -> 0.53 over `reduced`'s 16 layers at
+    # init, max/mean load up to 7.9; NOTES, issue 13 part 6).
+    zero_init_out_proj: bool = False
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02  # std of every projection's normal init
     # Token-embedding init std; None: d_model ** -0.5 (MaxText's fan-in default). Not init_std: with
@@ -314,7 +320,7 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
     _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
              "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
-    for name in ("tie_embeddings", "scan_layers", "cast_params_before_scan"):
+    for name in ("tie_embeddings", "scan_layers", "cast_params_before_scan", "zero_init_out_proj"):
         _require(isinstance(getattr(c, name), bool), name, f"must be a bool, got {getattr(c, name)!r}")
 
 

@@ -74,7 +74,10 @@ class RoutedExperts(nnx.Module):
         # The expert dim is declared for sharding (turbo_moe.model.sharding): split over "expert".
         axes = (EXPERT_AXIS, None, None)
         self.w_gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), dtype), logical_axes=axes)  # (E, D, 2F)
-        self.w_down = nnx.Param(init(rngs.params(), (e, f, d), dtype), logical_axes=axes)  # (E, F, D)
+        w_down = init(rngs.params(), (e, f, d), dtype)  # drawn either way: the other parameters do not change
+        if cfg.zero_init_out_proj:
+            w_down = jnp.zeros_like(w_down)
+        self.w_down = nnx.Param(w_down, logical_axes=axes)  # (E, F, D)
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(self.w_gate_up[...], self.w_down[...])

@@ -27,6 +27,14 @@ def linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, **kwargs) ->
         kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs, **kwargs)
 
 
+def out_projection(cfg: ModelConfig, d_in: int, rngs: nnx.Rngs) -> nnx.Linear:
+    """A block's projection back into the residual stream (attention and SwiGLU `wo`): zero at init with
+    `cfg.zero_init_out_proj` (it draws its random key either way, so no other parameter changes)."""
+    kernel_init = nnx.initializers.zeros_init() if cfg.zero_init_out_proj else nnx.initializers.normal(cfg.init_std)
+    return nnx.Linear(d_in, cfg.d_model, use_bias=False, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
+                      kernel_init=kernel_init, rngs=rngs)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32, returned in the compute dtype."""
 
@@ -78,7 +86,7 @@ class MLAttention(nnx.Module):
         self.wkv_a = linear(cfg, d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, rngs)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg)
         self.wkv_b = linear(cfg, cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), rngs)
-        self.wo = linear(cfg, h * cfg.v_head_dim, d, rngs)
+        self.wo = out_projection(cfg, h * cfg.v_head_dim, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -131,7 +139,7 @@ class SwiGLU(nnx.Module):
     def __init__(self, cfg: ModelConfig, hidden: int, rngs: nnx.Rngs):
         self.wi_gate = linear(cfg, cfg.d_model, hidden, rngs)
         self.wi_up = linear(cfg, cfg.d_model, hidden, rngs)
-        self.wo = linear(cfg, hidden, cfg.d_model, rngs)
+        self.wo = out_projection(cfg, hidden, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.wo(jax.nn.silu(self.wi_gate(x)) * self.wi_up(x))
