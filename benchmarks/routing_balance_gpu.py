@@ -60,7 +60,7 @@ from _records import parse_paths  # noqa: E402
 # "unigram*": the output head's bias starts at the data's log unigram frequencies (head_bias "unigram":
 # the model does not learn them as a shared direction in the warm-up, NOTES issue 13 part 6), on the
 # preset, on "prop" and on "lrs_prop". "zero_*": also zero_init_out_proj (every block starts as the identity:
-# no shared direction from depth at init, part 6).
+# no shared direction from depth at init, part 6); "center_zero_*" adds router centering 0.3.
 _LRS_PROP = {"router_lr_scale": 0.1, "router_bias_update": "proportional", "router_bias_rate": 1e-2}
 RECIPES = {
     "preset": {},
@@ -81,6 +81,10 @@ RECIPES = {
     "unigram_prop": {"head_bias": "unigram", "router_bias_update": "proportional", "router_bias_rate": 1e-2},
     "unigram_lrs_prop": {"head_bias": "unigram", **_LRS_PROP},
     "zero_unigram_lrs_prop": {"zero_init_out_proj": True, "head_bias": "unigram", **_LRS_PROP},
+    "zero_unigram_lrs0.02_prop": {"zero_init_out_proj": True, "head_bias": "unigram", **_LRS_PROP,
+                                  "router_lr_scale": 0.02},
+    "center_zero_unigram_lrs_prop": {"router_center_ema": 0.3, "zero_init_out_proj": True, "head_bias": "unigram",
+                                     **_LRS_PROP},
     "zero_unigram_prop": {"zero_init_out_proj": True, "head_bias": "unigram", "router_bias_update": "proportional",
                           "router_bias_rate": 1e-2},
 }
