@@ -31,6 +31,7 @@ def _random_bias(vocab):
 
 def test_config_choices():
     assert all(get_config(name).head_bias == "none" for name in ("tiny", "small", "deepseek_v3_671b"))
+    assert get_config("reduced").head_bias == "unigram"  # the issue-13 routing recipe
     with pytest.raises(ValueError, match=r"ModelConfig.head_bias: got 'yes'; expected one of \('none', 'zero', 'unigram'\)"):
         get_config("tiny", head_bias="yes")
 

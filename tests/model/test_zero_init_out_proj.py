@@ -59,4 +59,5 @@ def test_training_moves_the_zero_projections():
 def test_validation():
     with pytest.raises(TypeError, match="ModelConfig.zero_init_out_proj expects bool, got 1"):
         get_config("tiny", zero_init_out_proj=1)
-    assert all(not get_config(name).zero_init_out_proj for name in ("tiny", "small", "reduced", "deepseek_v3_671b"))
+    assert all(not get_config(name).zero_init_out_proj for name in ("tiny", "small", "deepseek_v3_671b"))
+    assert get_config("reduced").zero_init_out_proj  # the issue-13 routing recipe
