@@ -3,10 +3,15 @@
 For DeepSeek-V3 shapes (4096 tokens/rank, hidden 7168, top-8 of 256 experts) and a reduced shape
 (the `reduced` preset's MoE: hidden 1280, top-6 of 64) it times, over an ("expert",) mesh of every
 device (EP = device count):
-  deepep       turbo_moe.ops moe_dispatch + moe_combine (one row per token and destination rank,
-               worst-case (P, T, H) buffers exchanged with all_to_all)
+  deepep_<layout>  turbo_moe.ops moe_dispatch + moe_combine (one row per token and destination rank) in
+               each layout: dense (all_gather + reduce-scatter, no packing), packed (the pack kernel and
+               all_to_alls of worst-case (P, T, H) buffers: the layout before issue 14), ragged (pack, then
+               only the real rows through ragged_all_to_all)
   ragged_a2a   the ragged exchange of the `ragged` path there and back (jax.lax.ragged_all_to_all of the
-               T*k copies sorted by expert; buffer P*T*k rows)
+               T*k copies sorted by expert; buffer P*T*k rows), each destination split in the default
+               number of updates (64 in ragged_a2a_64chunks); ragged_a2a_1chunk: one update per destination
+               (before issue 14)
+  ag_rs_worst  all_gather there and reduce-scatter back of (T, H) per rank: the dense layout's collectives
   a2a_real     a plain all_to_all there and back of a buffer holding exactly deepep's real rows
   a2a_ragged_real  the same for the ragged exchange's real rows (k copies per token)
   a2a_worst    a plain all_to_all there and back of deepep's worst-case (P, T, H) buffer
@@ -29,7 +34,9 @@ Bytes are summed over all ranks (GB/s is the aggregate of the whole expert group
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import os
 import re
 import sys
 import time
@@ -78,6 +85,31 @@ def remote_rows(ids: np.ndarray, n_ranks: int, n_experts: int) -> tuple[int, int
     return deepep, ragged
 
 
+@contextlib.contextmanager
+def env(**values):
+    """Environment switches read at trace time (TURBO_MOE_DEEPEP_LAYOUT, TURBO_MOE_RAGGED_CHUNKS)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update({key: str(v) for key, v in values.items()})
+    try:
+        yield
+    finally:
+        for key, v in saved.items():
+            if v is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = v
+
+
+def compiled_ops(fn, args):
+    """(compiled fn, its collectives, custom calls and copies): what XLA made of the exchange."""
+    compiled = fn.lower(*args).compile()
+    text = compiled.as_text()
+    seen = re.findall(r" ([a-z][a-z0-9-]*)\(", text)
+    names = ("all-gather-start", "all-gather", "all-to-all", "reduce-scatter", "ragged-all-to-all",
+             "all-reduce-start", "all-reduce", "custom-call", "copy-start", "copy")
+    return compiled, " ".join(f"{n}={seen.count(n)}" for n in names if seen.count(n))
+
+
 def timed(fn, args, reps: int, inner: int) -> float:
     """Median seconds per exchange: fn runs `inner` chained exchanges per call."""
     jax.block_until_ready(fn(*args))  # compile + warm-up
@@ -111,9 +143,12 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
     row_bytes = h * 2  # bf16
     meta_bytes = k * 8  # ids int32 + weights f32 travel with each dispatched row
 
-    def deepep(x, ids, w):
-        rx, _, rw, handle = ops.moe_dispatch(x, ids, w, num_experts=e, axis_name="expert")
-        return ops.moe_combine(rx * rw.sum(-1, keepdims=True).astype(rx.dtype), handle, axis_name="expert")
+    def deepep(layout):
+        def body(x, ids, w):
+            rx, _, rw, handle = ops.moe_dispatch(x, ids, w, num_experts=e, axis_name="expert", layout=layout,
+                                                 impl=impl)
+            return ops.moe_combine(rx * rw.sum(-1, keepdims=True).astype(rx.dtype), handle, axis_name="expert")
+        return body
 
     def ragged(x, ids):
         flat = ids.reshape(-1)
@@ -129,6 +164,10 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
         back = jax.lax.all_to_all(there * jnp.asarray(0.5, buf.dtype), "expert", 0, 0)
         return back.reshape(buf.shape)
 
+    def ag_rs(x):  # the dense layout's two collectives alone
+        there = jax.lax.all_gather(x, "expert", tiled=True)  # (P*T, H)
+        return jax.lax.psum_scatter(there * jnp.asarray(0.5, x.dtype), "expert", scatter_dimension=0, tiled=True)
+
     def a2a_buffer(rows_per_dest):  # made on the devices: the ragged-real one is ~0.5 GB at dsv3
         shape = (n_ranks * n_ranks * rows_per_dest, h)
         return jax.jit(lambda: jnp.ones(shape, jnp.bfloat16), out_shardings=NamedSharding(mesh, P("expert")))()
@@ -137,30 +176,53 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
     deepep_real = 2 * deepep_rows * (row_bytes + meta_bytes // 2)  # ids/weights go out, not back
     ragged_real = 2 * ragged_rows * row_bytes
     worst = 2 * pairs * t * row_bytes
-    cases = [
-        ("deepep", chained(mesh, deepep, inner, 3), (x, ids, w), deepep_real,
-         2 * pairs * t * (row_bytes + meta_bytes // 2)),
+    meta = 2 * pairs * t * meta_bytes // 2  # ids/weights buffers of every layout: (P, T, k) per rank
+    deepep_worst = 2 * pairs * t * row_bytes + meta
+    # (name, fn, args, real bytes, bytes moved, env switches, inner): the old variants run fewer times
+    cases = [(f"deepep_{lay}", chained(mesh, deepep(lay), inner, 3), (x, ids, w), deepep_real,
+              deepep_worst if lay != "ragged" else 2 * deepep_rows * row_bytes + meta, {}, inner)
+             for lay in ("packed", "dense", "ragged")]  # packed first: the others are compared with it
+    cases += [
         ("a2a_real", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(-(-deepep_rows // pairs)),), deepep_real,
-         deepep_real),
-        ("a2a_worst", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(t),), worst, worst),
-        ("ragged_a2a", chained(mesh, ragged, inner, 2), (x, ids), ragged_real, 2 * pairs * t * k * row_bytes),
+         deepep_real, {}, inner),
+        ("a2a_worst", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(t),), worst, worst, {}, inner),
+        ("ag_rs_worst", chained(mesh, ag_rs, inner, 1), (x,), worst, worst, {}, inner),
+        ("ragged_a2a", chained(mesh, ragged, inner, 2), (x, ids), ragged_real, 2 * pairs * t * k * row_bytes, {},
+         inner),
+        ("ragged_a2a_64chunks", chained(mesh, ragged, inner, 2), (x, ids), ragged_real,
+         2 * pairs * t * k * row_bytes, {"TURBO_MOE_RAGGED_CHUNKS": 64}, inner),
+        ("ragged_a2a_1chunk", chained(mesh, ragged, 2, 2), (x, ids), ragged_real, 2 * pairs * t * k * row_bytes,
+         {"TURBO_MOE_RAGGED_CHUNKS": 1}, 2),
         ("a2a_ragged_real", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(-(-ragged_rows // pairs)),),
-         ragged_real, ragged_real),
+         ragged_real, ragged_real, {}, inner),
     ]
-    rows = []
-    for name, fn, args, real, moved in cases:
+    rows, first_out = [], {}
+    for name, fn, args, real, moved, switches, n_inner in cases:
         try:
-            sec = timed(fn, args, reps, inner)
+            with env(**switches):
+                compiled, ops_text = compiled_ops(fn, args)
+                sec = timed(compiled, args, reps if n_inner == inner else 3, n_inner)
+                if name.startswith("deepep_"):  # one exchange round trip's result, to compare layouts
+                    first_out[name] = np.asarray(jax.jit(jax.shard_map(
+                        deepep(name.split("_", 1)[1]), mesh=mesh, in_specs=(P("expert"),) * 3,
+                        out_specs=P("expert")))(*args).astype(jnp.float32))
         except Exception as err:  # e.g. out of memory: record and go on
             print(f"{shape_name} {name}: failed: {type(err).__name__}: {str(err)[:200]}")
             continue
+        diff = ""
+        if name in first_out and "deepep_packed" in first_out:
+            diff = float(np.max(np.abs(first_out[name] - first_out["deepep_packed"])))
         rows.append(dict(kind="exchange", shape=shape_name, method=name, tokens_per_rank=t, hidden=h, top_k=k,
                          experts=e, ep=n_ranks, time_ms=sec * 1e3, real_bytes=real, buffer_bytes=moved,
-                         gbps_real=real / sec / 1e9, gbps_buffer=moved / sec / 1e9, host_transfers=""))
-        print(f"{shape_name:8s} {name:16s} {sec * 1e3:9.3f} ms  real {real / 1e6:9.1f} MB -> "
-              f"{real / sec / 1e9:7.1f} GB/s   buffer {moved / 1e6:9.1f} MB")
+                         gbps_real=real / sec / 1e9, gbps_buffer=moved / sec / 1e9, host_transfers="",
+                         hlo_ops=ops_text, switches=" ".join(f"{k}={v}" for k, v in switches.items()),
+                         max_abs_diff_vs_packed=diff))
+        print(f"{shape_name:8s} {name:18s} {sec * 1e3:9.3f} ms  real {real / 1e6:9.1f} MB -> "
+              f"{real / sec / 1e9:7.1f} GB/s   buffer {moved / 1e6:9.1f} MB  {ops_text}")
     by = {r["method"]: r for r in rows}
-    for ours, ref in (("deepep", "a2a_real"), ("ragged_a2a", "a2a_ragged_real")):
+    for ours, ref in (("deepep_dense", "a2a_real"), ("deepep_packed", "a2a_real"), ("deepep_ragged", "a2a_real"),
+                      ("ragged_a2a", "a2a_ragged_real"), ("ragged_a2a_64chunks", "a2a_ragged_real"),
+                      ("ragged_a2a_1chunk", "a2a_ragged_real")):
         if ours in by and ref in by:
             by[ours]["vs_a2a_real"] = by[ref]["time_ms"] / by[ours]["time_ms"]
             print(f"{shape_name:8s} {ours} at {by[ours]['vs_a2a_real']:.2f}x the all_to_all bandwidth "
@@ -181,11 +243,14 @@ def layer_rows(mesh, shape_name, reps, impl):
     experts = ExpertWeights(jnp.asarray(rng.normal(size=(e, h, 2 * f)) * scale, jnp.bfloat16),
                             jnp.asarray(rng.normal(size=(e, f, h)) * scale, jnp.bfloat16))
     rows = []
-    cases = [("dense_cf", "deepep"), ("ragged", "ragged_all_to_all"), ("turbo", "deepep"),
-             ("turbo", "ragged_all_to_all")]
-    if shape_name == "dsv3":  # XLA's ragged_dot and the dense_cf one-hot einsums are far too slow here
-        cases = cases[2:]
-    for path, exchange in cases:
+    layout = lambda name: {"TURBO_MOE_DEEPEP_LAYOUT": name}  # noqa: E731
+    cases = [("dense_cf", "deepep", {}), ("ragged", "ragged_all_to_all", {}),
+             ("turbo", "deepep", layout("dense")), ("turbo", "deepep", layout("packed")),
+             ("turbo", "deepep", layout("ragged")), ("turbo", "ragged_all_to_all", {}),
+             ("turbo", "ragged_all_to_all", {"TURBO_MOE_RAGGED_CHUNKS": 1})]
+    if shape_name == "dsv3":  # XLA's ragged_dot and the dense_cf one-hot einsums (and 1 chunk) are far too slow
+        cases = cases[2:-1]
+    for path, exchange, switches in cases:
         ep = ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange, exchange_impl=impl)
 
         def step(x, w, experts, ep=ep):
@@ -195,8 +260,10 @@ def layer_rows(mesh, shape_name, reps, impl):
             return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, experts)
 
         name = f"{path}/{exchange}" if path == "turbo" else path
+        name += "".join(f"[{v}]" if "LAYOUT" in key else f"[chunks={v}]" for key, v in switches.items())
         try:
-            compiled = jax.jit(step).lower(x, routing.weights, experts).compile()
+            with env(**switches):  # read while tracing
+                compiled = jax.jit(step).lower(x, routing.weights, experts).compile()
             hlo = compiled.as_text()
             host = sum(hlo.count(m) for m in HOST_MARKERS)
             sec = timed(compiled, (x, routing.weights, experts), reps, 1)
@@ -205,8 +272,9 @@ def layer_rows(mesh, shape_name, reps, impl):
             continue
         rows.append(dict(kind="layer_fwd_bwd", shape=shape_name, method=name, tokens_per_rank=t, hidden=h, top_k=k,
                          experts=e, ep=n_ranks, time_ms=sec * 1e3, host_transfers=host,
+                         switches=" ".join(f"{k}={v}" for k, v in switches.items()),
                          custom_calls=" ".join(sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))))))
-        print(f"{shape_name:8s} layer {name:24s} {sec * 1e3:9.3f} ms  host transfers in HLO: {host}")
+        print(f"{shape_name:8s} layer {name:34s} {sec * 1e3:9.3f} ms  host transfers in HLO: {host}")
     return rows
 
 
@@ -223,23 +291,26 @@ def check_rows(mesh, impl):
     experts = ExpertWeights(jnp.asarray(rng.normal(size=(e, h, 2 * f)) / 8, jnp.float32),
                             jnp.asarray(rng.normal(size=(e, f, h)) / 6, jnp.float32))
     rows = []
-    for path, exchange in (("dense_cf", "deepep"), ("ragged", "deepep"), ("turbo", "deepep"),
-                           ("turbo", "ragged_all_to_all")):
+    cases = [("dense_cf", "deepep", ""), ("ragged", "deepep", "")]
+    cases += [("turbo", "deepep", layout) for layout in ("dense", "packed", "ragged")]
+    cases += [("turbo", "ragged_all_to_all", "")]
+    for path, exchange, layout in cases:
         def loss_grads(fn):
             def loss(x, w, experts):
                 return jnp.sum(fn(x, routing._replace(weights=w), experts)[0] ** 2)
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, routing.weights, experts)
-        name = f"{path}/{exchange}" if path == "turbo" else path
+        name = (f"{path}/{exchange}" if path == "turbo" else path) + (f"[{layout}]" if layout else "")
         try:
             ref = loss_grads(moe_path_fn(path, 1.25))
-            got = loss_grads(ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange,
-                                         exchange_impl=impl))
+            with env(TURBO_MOE_DEEPEP_LAYOUT=layout or "auto"):
+                got = loss_grads(ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange,
+                                             exchange_impl=impl))
         except Exception as err:  # record and go on to the timings
             print(f"check {name}: failed: {type(err).__name__}: {str(err)[:300]}")
             continue
         err = max(float(jnp.max(jnp.abs(a - r)) / (jnp.max(jnp.abs(r)) + 1e-30))
                   for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
-        print(f"check EP={n_ranks} {name:24s} max relative error (loss and grads) vs one device: {err:.2e}")
+        print(f"check EP={n_ranks} {name:30s} max relative error (loss and grads) vs one device: {err:.2e}")
         rows.append(dict(kind="check_vs_one_device", shape="check", method=name, ep=n_ranks, max_rel_error=err))
     return rows
 
@@ -262,6 +333,7 @@ def main():
                         help="shapes for the layer step ('' for none; dsv3 runs the turbo paths only)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--skip-checks", action="store_true", help="no EP-vs-one-device checks")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few reps (CPU check of the script)")
     args = parser.parse_args()
     if args.smoke:
@@ -274,7 +346,7 @@ def main():
     prov = provenance()
     kind = prov["device_kind"].replace(" ", "_").lower()
     out = Path(args.out or REPO / "experiments" / "results" / f"ep_dispatch_{kind}.csv")
-    rows = check_rows(mesh, impl)
+    rows = [] if args.skip_checks else check_rows(mesh, impl)
     write_csv(rows, out, prov)  # after every section: a run cut short keeps what it measured
     for shape in filter(None, args.shapes.split(",")):
         rows += exchange_rows(mesh, shape, args.reps, args.inner, impl)

@@ -9,7 +9,9 @@ block ordered by local expert.
 `ragged_exchange` is a custom_vjp whose backward pass is the reverse exchange (the same plan read the
 other way). XLA:CPU has no `ragged-all-to-all` thunk (jax 0.10.2), so on the CPU the same semantics
 are emulated with a padded `all_to_all` of (P, rows, H) blocks; tests run the emulation, GPUs the
-native collective.
+native collective. Each destination's block is split into `chunks_per_peer` updates: XLA's one-shot
+GPU kernel copies each update with one 128-thread block, so one update per peer left 2 blocks to
+move the whole exchange at EP=2 (0.01x of an all_to_all, experiments/NOTES.md).
 
 The expert-parallel exchanges (call inside shard_map; same signature as the one-device exchanges of
 `exchanges.py`, which they wrap: `ep(local)(tokens, expert_ids, combine_w, n_experts, ffn)` with
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import jax
@@ -35,6 +38,17 @@ import jax.numpy as jnp
 from turbo_moe.ops.varying import make_varying, match_varying, varying_axes
 
 NATIVE, EMULATED = "native", "emulated"
+UPDATES_IN_FLIGHT = 1024  # 128-thread copy blocks of the one-shot kernel per exchange (H200: 132 SMs x 16)
+
+
+def chunks_per_peer(n_ranks: int) -> int:
+    """Updates per destination rank (env TURBO_MOE_RAGGED_CHUNKS overrides: 1 is the old behaviour)."""
+    forced = os.environ.get("TURBO_MOE_RAGGED_CHUNKS")
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"TURBO_MOE_RAGGED_CHUNKS must be a positive integer, got {forced!r}")
+        return int(forced)
+    return max(1, UPDATES_IN_FLIGHT // n_ranks)
 
 
 class ExchangePlan(NamedTuple):
@@ -91,6 +105,17 @@ def received_local_expert(recv_counts: jax.Array, n_rows: int) -> jax.Array:
     return jnp.where(rows < ends[-1], segment % n_local, n_local)
 
 
+def split_updates(offsets_in, sizes, offsets_out, n_chunks: int):
+    """(P,) updates -> (P*n_chunks,) updates, peer-major: update p covers rows [in, in+size) and becomes
+    n_chunks consecutive pieces of ceil(size/n_chunks) rows (the last ones shorter or empty). Both
+    sides of an exchange apply it to the same size, so send and receive pieces match."""
+    piece = (sizes + n_chunks - 1) // n_chunks  # (P,)
+    start = jnp.minimum(piece[:, None] * jnp.arange(n_chunks, dtype=sizes.dtype), sizes[:, None])  # (P, n)
+    size = jnp.minimum(piece[:, None], sizes[:, None] - start)
+    flat = lambda a: a.reshape(-1).astype(jnp.int32)
+    return flat(offsets_in[:, None] + start), flat(size), flat(offsets_out[:, None] + start)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def ragged_exchange(x: jax.Array, plan: ExchangePlan, out_rows: int, axis_name: str, impl: str) -> jax.Array:
     """x (N, H) send rows -> (out_rows, H) received rows (zeros past the data)."""
@@ -113,24 +138,31 @@ ragged_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def _exchange(x, plan, out_rows, axis_name, impl):
+    n = chunks_per_peer(jax.lax.axis_size(axis_name))
+    in_off, send, out_off = split_updates(plan.input_offsets, plan.send_sizes, plan.output_offsets, n)
+    _, recv, _ = split_updates(plan.recv_offsets, plan.recv_sizes, plan.recv_offsets, n)
     if impl == NATIVE:
         output = make_varying(jnp.zeros((out_rows,) + x.shape[1:], x.dtype), varying_axes(x))
-        return jax.lax.ragged_all_to_all(x, output, plan.input_offsets, plan.send_sizes, plan.output_offsets,
-                                         plan.recv_sizes, axis_name=axis_name)
+        return jax.lax.ragged_all_to_all(x, output, in_off, send, out_off, recv, axis_name=axis_name)
     if impl == EMULATED:
-        return _emulated_exchange(x, plan, out_rows, axis_name)
+        return _emulated_exchange(x, in_off, send, out_off, out_rows, axis_name)
     raise ValueError(f"impl must be {NATIVE!r} or {EMULATED!r}, got {impl!r}")
 
 
-def _emulated_exchange(x, plan, out_rows, axis_name):
+def _emulated_exchange(x, in_off, send, out_off, out_rows, axis_name):
     """ragged_all_to_all semantics through a padded all_to_all (moves P*N rows: CPU tests only).
 
-    Like the native collective, rows land where the *sender's* output_offsets say."""
-    n = x.shape[0]
-    i = jnp.arange(n, dtype=jnp.int32)
-    valid = i < plan.send_sizes[:, None]  # (P, N)
-    blocks = jnp.where(valid[..., None], x[jnp.clip(plan.input_offsets[:, None] + i, 0, n - 1)], 0)  # (P, N, H)
-    target = jnp.where(valid, plan.output_offsets[:, None] + i, out_rows)  # (P, N) rows in the receiver
+    Updates (P*n,) are peer-major, n per destination; like the native collective, rows land where
+    the *sender's* out_off says."""
+    n_rows = x.shape[0]
+    n_ranks = jax.lax.axis_size(axis_name)
+    i = jnp.arange(n_rows, dtype=jnp.int32)
+    lo, hi = in_off.reshape(n_ranks, -1, 1), (in_off + send).reshape(n_ranks, -1, 1)  # (P, n, 1)
+    inside = (i >= lo) & (i < hi)  # (P, n, N): row i belongs to update (p, j)
+    shift = (out_off - in_off).reshape(n_ranks, -1, 1)
+    valid = inside.any(1)  # (P, N)
+    target = jnp.where(valid, jnp.sum(jnp.where(inside, shift + i, 0), axis=1), out_rows)  # (P, N)
+    blocks = jnp.where(valid[..., None], x[None], 0)  # (P, N, H)
     got = jax.lax.all_to_all(blocks, axis_name, 0, 0)  # (P src, N, H)
     got_target = jax.lax.all_to_all(target, axis_name, 0, 0)  # (P src, N)
     output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
@@ -164,17 +196,21 @@ def ragged_all_to_all(local, *, axis_name: str, impl: str, **_):
     return exchange
 
 
-def deepep(local, *, axis_name: str, capacity: int | None, **_):
+def deepep(local, *, axis_name: str, capacity: int | None, impl: str = NATIVE, **_):
     """EP exchange through turbo_moe.ops.moe_dispatch / moe_combine around a token exchange `local`.
 
-    capacity: token slots per source rank (None: T, the worst case); overflowing copies are dropped."""
+    capacity: token slots per source rank (None: T, the worst case); overflowing copies are dropped.
+    The dispatch layout is moe_dispatch's "auto" unless env TURBO_MOE_DEEPEP_LAYOUT names one
+    (dense | packed | ragged: a switch for side-by-side benchmarks)."""
+    layout = os.environ.get("TURBO_MOE_DEEPEP_LAYOUT", "auto")
 
     def exchange(tokens, expert_ids, combine_w, n_experts: int, ffn):
         from turbo_moe import ops
 
         n_local = n_experts // jax.lax.axis_size(axis_name)
         recv_x, recv_ids, recv_w, handle = ops.moe_dispatch(
-            tokens, expert_ids, combine_w, num_experts=n_experts, axis_name=axis_name, capacity=capacity)
+            tokens, expert_ids, combine_w, num_experts=n_experts, axis_name=axis_name, capacity=capacity,
+            layout=layout, impl=impl)
         # recv_x (P*C, D): one row per (source token, this rank); recv_ids (P*C, k) local ids, -1 = none.
         per_token, computed = local(recv_x, recv_ids, recv_w, n_local, ffn)  # (P*C, D) local experts summed
         return ops.moe_combine(per_token, handle, axis_name=axis_name), computed  # (T, D)

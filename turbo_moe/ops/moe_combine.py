@@ -2,7 +2,7 @@
 
 Each rank sends back one row per received token (its local experts already reduced, weighted, by
 `unpermute`); the source rank sums the rows that come back from every rank. Call inside
-`shard_map` with the same `axis_name` as the dispatch.
+`shard_map` with the same `axis_name` as the dispatch; the handle says which layout it used.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import make_varying, varying_axes
-from turbo_moe.ops.moe_dispatch import DispatchHandle, slot_rows
+from turbo_moe.ops.moe_dispatch import DispatchHandle, slot_rows, sum_blocks
 from turbo_moe.ops.permute import PermuteHandle
 from turbo_moe.ops.unpermute import unpermute
 
@@ -30,7 +30,16 @@ def moe_combine(y, handle: DispatchHandle, *, axis_name: str):
     if y.shape[0] % P:
         raise ValueError(f"y must have P*C rows (P={P}), got {y.shape}")
     C = y.shape[0] // P
-    back = jax.lax.all_to_all(y.reshape(P, C, -1), axis_name, 0, 0)  # (P, C, H): rows for my tokens
+    if handle.layout == "dense":
+        if C != T:
+            raise ValueError(f"y must have P*T = {P * T} rows for a dense dispatch, got {y.shape}")
+        return sum_blocks(y, axis_name)  # (T, H): rows for other tokens' ranks are zero
+    if handle.layout == "ragged":
+        from turbo_moe.model.ep_exchange import ragged_exchange  # lazy: turbo_moe.model imports the ops
+
+        back = ragged_exchange(y, handle.plan.reversed(), P * C, axis_name, handle.impl)  # real rows only
+    else:
+        back = jax.lax.all_to_all(y.reshape(P, C, -1), axis_name, 0, 0)  # (P, C, H): rows for my tokens
     rows = PermuteHandle(slot_rows(handle.slot, C))  # (T, P)
     ones = make_varying(jnp.ones((T, P), jnp.float32), varying_axes(back))  # typed like the data
     return unpermute(back.reshape(P * C, -1), rows, ones)

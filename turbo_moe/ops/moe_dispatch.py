@@ -13,11 +13,22 @@ expert for the grouped GEMM. `moe_combine` is the exact transpose.
 Receive buffers hold C = T slots per source rank (every token could go to every rank), or
 `capacity` slots when the caller caps them; overflowing tokens are counted in handle.overflow
 (per destination rank) and contribute nothing — never silently.
+
+Layouts (the results are the same; they differ in what crosses the wire and what runs around it):
+- "packed": a kernel packs each destination's tokens into (P, C, H) in token order; one all_to_all
+  moves the whole buffer, full or not.
+- "dense" (C = T only): block p of the receive buffer is ALL of rank p's tokens in token order, so
+  no packing: an all_gather of x (the same bytes as the worst-case packed buffer) and of the ids
+  and weights; rows of tokens with no expert here carry id -1. The combine is a sum over ranks.
+- "ragged": packed, but only the real rows of each destination cross (`ragged_all_to_all`, counts
+  exchanged first by a (P,) all_to_all): fewer bytes when tokens reach few of the ranks (large P).
+- "auto": for P <= DENSE_MAX_RANKS (where a token reaches 1 - (1 - 1/P)^k of the ranks: nearly
+  all) dense when C = T, else packed; ragged for more ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +37,25 @@ from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call, match_varying
 from turbo_moe.ops.unpermute import unpermute_call
 
+LAYOUTS = ("auto", "dense", "packed", "ragged")
+DENSE_MAX_RANKS = 4  # top-8 at P=4: 90% of (token, remote rank) pairs are real rows; 66% at P=8
 
-class DispatchHandle(NamedTuple):
-    """What `moe_combine` needs. slot int32 (T, P): the send slot of token t on rank p, or -1.
-    counts int32 (P,): tokens sent to each rank; overflow int32 (P,): tokens that did not fit."""
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("slot", "counts", "overflow", "plan"),
+                   meta_fields=("layout", "impl"))
+@dataclasses.dataclass(frozen=True)
+class DispatchHandle:
+    """What `moe_combine` needs. slot int32 (T, P): the row of token t in rank p's block, or -1.
+    counts int32 (P,): tokens sent to each rank; overflow int32 (P,): tokens that did not fit.
+    plan: the ragged layout's ExchangePlan (None otherwise); layout: the one the dispatch used;
+    impl: the ragged collective ("native" | "emulated") the combine must use too."""
 
     slot: jax.Array
     counts: jax.Array
     overflow: jax.Array
+    plan: object = None
+    layout: str = "packed"
+    impl: str | None = None
 
 
 def slot_rows(slot, capacity: int):
@@ -42,13 +64,27 @@ def slot_rows(slot, capacity: int):
     return jnp.where(slot >= 0, slot + jnp.arange(P, dtype=jnp.int32) * capacity, -1)
 
 
-def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, capacity: int | None = None):
-    """Packs tokens per destination rank and exchanges them with one all_to_all.
+def resolve_layout(layout: str, n_ranks: int, tokens: int, capacity: int) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "dense" and capacity != tokens:
+        raise ValueError(f"layout='dense' sends every token to every rank: capacity must be T={tokens}, "
+                         f"got {capacity}")
+    if layout == "auto" and n_ranks <= DENSE_MAX_RANKS:  # few ranks: every buffer is nearly all real rows
+        return "dense" if capacity == tokens else "packed"
+    return "ragged" if layout == "auto" else layout
+
+
+def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, capacity: int | None = None,
+                 layout: str = "auto", impl: str | None = None):
+    """Sends each token to the ranks owning its experts (see the module docstring for the layouts).
 
     Args:
-      x: (T, H) this rank's tokens.  expert_ids: int32 (T, k) global expert ids (out of range: dropped).
+      x: (T, H) this rank's tokens.  expert_ids: int (T, k) global expert ids (out of range: dropped).
       weights: (T, k) combine weights.  num_experts: E (divisible by the axis size P).
       capacity: slots per destination rank (default T: the worst case, nothing can overflow).
+      layout: "auto" | "dense" | "packed" | "ragged".  impl: the ragged layout's collective,
+        "native" or "emulated" (XLA:CPU has no ragged_all_to_all); default by jax.default_backend().
     Returns:
       recv_x (P*C, H), recv_ids int32 (P*C, k) local expert ids (-1: none / empty slot),
       recv_w float32 (P*C, k), handle (DispatchHandle) for moe_combine.
@@ -71,12 +107,85 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
     C = T if capacity is None else int(capacity)
     if not 0 < C <= T:
         raise ValueError(f"capacity must be in [1, T={T}] slots per destination rank, got {capacity}")
+    layout = resolve_layout(layout, P, T, C)
+    ids = _checks.index_as_int32(expert_ids, num_experts)
+    if layout == "dense":
+        return _dispatch_dense(x, ids, weights.astype(jnp.float32), P, num_experts // P, axis_name)
     send_x, send_ids, send_w, counts, overflow, slot = _dispatch_pack(
-        x, _checks.index_as_int32(expert_ids, num_experts), weights.astype(jnp.float32), P, num_experts // P, C)
+        x, ids, weights.astype(jnp.float32), P, num_experts // P, C)
     exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0)
-    recv_x, recv_ids, recv_w = exchange(send_x), exchange(send_ids), exchange(send_w)  # (P, C, ...)
-    handle = DispatchHandle(slot, counts, overflow)
+    recv_ids, recv_w = exchange(send_ids), exchange(send_w)  # (P, C, k): small
+    plan = None
+    if layout == "ragged":
+        from turbo_moe.model.ep_exchange import default_impl, ragged_exchange  # lazy: model imports ops
+
+        plan = slot_plan(counts, C, axis_name)
+        impl = impl or default_impl(jax.default_backend())  # XLA:CPU has no ragged_all_to_all
+        recv_x = ragged_exchange(send_x.reshape(P * C, -1), plan, P * C, axis_name, impl)
+    else:
+        recv_x = exchange(send_x)  # (P, C, H)
+    handle = DispatchHandle(slot, counts, overflow, plan, layout, impl)
     return recv_x.reshape(P * C, -1), recv_ids.reshape(P * C, k), recv_w.reshape(P * C, k), handle
+
+
+def slot_plan(counts, capacity: int, axis_name: str):
+    """ExchangePlan of the ragged layout: my counts[p] real rows of block p (rows [p*C, p*C+counts[p]))
+    land at block `me` of rank p; the receive buffer keeps the (P, C) slot layout of the packed one."""
+    from turbo_moe.model.ep_exchange import ExchangePlan
+
+    P = counts.shape[0]
+    me = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    blocks = jnp.arange(P, dtype=jnp.int32) * capacity  # (P,)
+    mine = jnp.full((P,), me * capacity, jnp.int32)
+    recv = jax.lax.all_to_all(counts.astype(jnp.int32), axis_name, 0, 0, tiled=True)  # (P,) rows from each source
+    return ExchangePlan(input_offsets=blocks, send_sizes=counts.astype(jnp.int32), output_offsets=mine,
+                        recv_sizes=recv, recv_offsets=blocks, return_offsets=mine)
+
+
+def _dispatch_dense(x, ids, weights, P, El, axis_name):
+    """Every token to every rank (no packing); the receiver keeps the ids of its own experts."""
+    T, k = ids.shape
+    me = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    all_ids = jax.lax.all_gather(ids, axis_name, tiled=True)  # (P*T, k) global ids, -1 invalid
+    all_w = jax.lax.all_gather(weights, axis_name, tiled=True)  # (P*T, k)
+    mine = (all_ids >= me * El) & (all_ids < (me + 1) * El)
+    recv_ids = jnp.where(mine, all_ids - me * El, -1)
+    recv_w = jnp.where(mine, all_w, 0.0)
+    dest = jnp.where(ids >= 0, ids // El, -1)  # (T, k) rank of each expert
+    sent = jnp.any(dest[:, :, None] == jnp.arange(P, dtype=jnp.int32), axis=1)  # (T, P)
+    slot = jnp.where(sent, jnp.arange(T, dtype=jnp.int32)[:, None], -1)
+    counts = sent.sum(0, dtype=jnp.int32)
+    handle = DispatchHandle(slot, counts, jnp.zeros_like(counts), None, "dense")
+    return gather_blocks(x, axis_name), recv_ids, recv_w, handle
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_blocks(x, axis_name: str):
+    """(T, H) -> (P*T, H): every rank's rows; the transpose is `sum_blocks` (float32 sums)."""
+    return jax.lax.all_gather(x, axis_name, tiled=True)
+
+
+def _gather_fwd(x, axis_name):
+    return gather_blocks(x, axis_name), x[:0]  # x[:0]: x's type, no data
+
+
+def _gather_bwd(axis_name, x_type, d_out):
+    return (match_varying(sum_blocks(d_out, axis_name), x_type),)
+
+
+gather_blocks.defvjp(_gather_fwd, _gather_bwd)
+
+
+def sum_blocks(y, axis_name: str):
+    """(P*T, H) -> (T, H): row t is the sum over ranks p of their block-`me` row t, rounded once.
+
+    A reduce-scatter sums in y's dtype hop by hop; that equals a float32 sum rounded once only for
+    float32 or two ranks (one addition), elsewhere the blocks come over by all_to_all and add here."""
+    P = jax.lax.axis_size(axis_name)
+    if y.dtype == jnp.float32 or P <= 2:
+        return jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
+    got = jax.lax.all_to_all(y.reshape(P, -1, y.shape[-1]), axis_name, 0, 0)  # (P src, T, H)
+    return got.astype(jnp.float32).sum(0).astype(y.dtype)
 
 
 def _pack_call(x, expert_ids, weights, P, El, C):
