@@ -22,8 +22,10 @@ Layouts (the results are the same; they differ in what crosses the wire and what
   and weights; rows of tokens with no expert here carry id -1. The combine is a sum over ranks.
 - "ragged": packed, but only the real rows of each destination cross (`ragged_all_to_all`, counts
   exchanged first by a (P,) all_to_all): fewer bytes when tokens reach few of the ranks (large P).
-- "auto": for P <= DENSE_MAX_RANKS (where a token reaches 1 - (1 - 1/P)^k of the ranks: nearly
-  all) dense when C = T, else packed; ragged for more ranks.
+- "auto": packed for P <= PACKED_MAX_RANKS (a token reaches 1 - (1 - 1/P)^k of the ranks: nearly all,
+  so real rows ~ the buffer), ragged for more ranks. Not dense, although its exchange alone is faster
+  (EP=2, two H200s: 0.74x a plain all_to_all against packed's 0.67x): the reduced MoE layer's fwd+bwd
+  measured 2.98 ms with it against 2.68 ms packed (experiments/NOTES.md, issue 14 EP).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from turbo_moe.ops._ffi import ffi_call, match_varying
 from turbo_moe.ops.unpermute import unpermute_call
 
 LAYOUTS = ("auto", "dense", "packed", "ragged")
-DENSE_MAX_RANKS = 4  # top-8 at P=4: 90% of (token, remote rank) pairs are real rows; 66% at P=8
+PACKED_MAX_RANKS = 4  # top-8 at P=4: 90% of (token, remote rank) pairs are real rows; 66% at P=8
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("slot", "counts", "overflow", "plan"),
@@ -70,8 +72,8 @@ def resolve_layout(layout: str, n_ranks: int, tokens: int, capacity: int) -> str
     if layout == "dense" and capacity != tokens:
         raise ValueError(f"layout='dense' sends every token to every rank: capacity must be T={tokens}, "
                          f"got {capacity}")
-    if layout == "auto" and n_ranks <= DENSE_MAX_RANKS:  # few ranks: every buffer is nearly all real rows
-        return "dense" if capacity == tokens else "packed"
+    if layout == "auto" and n_ranks <= PACKED_MAX_RANKS:  # few ranks: every buffer is nearly all real rows
+        return "packed"
     return "ragged" if layout == "auto" else layout
 
 
