@@ -67,6 +67,7 @@ from _records import parse_paths  # noqa: E402
 _DEEPSEEK = {"head_bias": "none", "zero_init_out_proj": False, "router_lr_scale": 1.0, "router_bias_update": "sign",
              "router_bias_rate": 1e-3}
 _LRS_PROP = {"router_lr_scale": 0.1, "router_bias_update": "proportional", "router_bias_rate": 1e-2}
+_ZERO_UNIGRAM_LRS_PROP = {"zero_init_out_proj": True, "head_bias": "unigram", **_LRS_PROP}
 _CHANGES = {
     "deepseek": {},
     "bias1e-2": {"router_bias_rate": 1e-2},
@@ -92,6 +93,12 @@ _CHANGES = {
                                      **_LRS_PROP},
     "zero_unigram_prop": {"zero_init_out_proj": True, "head_bias": "unigram", "router_bias_update": "proportional",
                           "router_bias_rate": 1e-2},
+    # on the issue-13 part 6 preset: a faster proportional bias (2e-2), the same with a fast start decaying
+    # (3e-2 -> 1e-2 over 200 steps), and 10x DeepSeek-V3's sequence-wise balance loss (1e-3)
+    "zero_unigram_lrs_prop2e-2": {**_ZERO_UNIGRAM_LRS_PROP, "router_bias_rate": 2e-2},
+    "zero_unigram_lrs_prop_sched": {**_ZERO_UNIGRAM_LRS_PROP, "router_bias_rate_start": 3e-2,
+                                    "router_bias_rate_decay_steps": 200},
+    "zero_unigram_lrs_prop_bal1e-3": {**_ZERO_UNIGRAM_LRS_PROP, "balance_loss_weight": 1e-3},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 

@@ -26,6 +26,7 @@ Results: printed, and saved to experiments/results/routing_probe/<name>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -42,6 +43,7 @@ from flax import nnx
 from turbo_moe.data import BatchIterator, load_dataset, unigram_log_prior
 from turbo_moe.model import DeepSeekModel, get_config, lm_loss, update_router_bias
 from turbo_moe.model import router as router_mod
+from turbo_moe.model import stack as stack_mod
 from turbo_moe.provenance import collect as collect_provenance
 from turbo_moe.train import TrainConfig
 from turbo_moe.train.step import make_optimizer
@@ -140,6 +142,76 @@ class Recorder:
         return rows
 
 
+def _shared(v):
+    """|token-mean of v| / RMS over tokens of |v|, per sequence, averaged: 1 when every token carries the
+    same vector, ~1/sqrt(S) for independent ones. v (B, S, D)."""
+    v = v.astype(jnp.float32)
+    mean = v.mean(1)  # (B, D)
+    return (jnp.linalg.norm(mean, axis=-1) / (jnp.sqrt(jnp.mean(jnp.sum(v * v, -1), 1)) + 1e-12)).mean()
+
+
+def _cos(a, b):
+    return jnp.sum(a * b, -1) / (jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1) + 1e-12)
+
+
+def block_stats(x, attn_out, ffn_in, ffn_out):
+    """Which sub-layer writes the shared direction: x the block's input (B,S,D), attn_out the attention
+    delta, ffn_in the normalised FFN input (the router's input in a MoE block), ffn_out the FFN delta."""
+    x, a, y = (t.astype(jnp.float32) for t in (x, attn_out, ffn_out))
+    mid = x + a
+    out = mid + y
+    m_mid, m_out = mid.mean(1), out.mean(1)  # (B, D)
+    rms = lambda t: jnp.sqrt(jnp.mean(t * t))
+    dim_share = (m_out ** 2).max(-1) / (jnp.sum(m_out ** 2, -1) + 1e-12)  # shared direction in one dim?
+    peak = jnp.abs(out).max() / (jnp.median(jnp.abs(out)) + 1e-12)  # massive activations
+    return dict(
+        shared_in=_shared(x), shared_attn=_shared(a), shared_mid=_shared(mid), shared_ffn_in=_shared(ffn_in),
+        shared_ffn=_shared(y), shared_out=_shared(out),
+        rms_in=rms(x), rms_attn=rms(a), rms_ffn=rms(y),
+        # how much of the residual's token-mean each delta's token-mean supplies (projection / |mean|)
+        attn_along=(jnp.sum(a.mean(1) * m_mid, -1) / (jnp.sum(m_mid * m_mid, -1) + 1e-12)).mean(),
+        ffn_along=(jnp.sum(y.mean(1) * m_out, -1) / (jnp.sum(m_out * m_out, -1) + 1e-12)).mean(),
+        cos_attn_mean_in=_cos(a.mean(1), x.mean(1)).mean(), top_dim_share=dim_share.mean(), peak_ratio=peak,
+    )
+
+
+class BlockRecorder:
+    """Patches DecoderBlock.__call__ (same computation, no named scopes) to send `block_stats` of every
+    block, dense, MoE and MTP, to the host in program order."""
+
+    def __init__(self, n_blocks: int):
+        self.n_blocks = n_blocks
+        self.rows: list[dict] = []
+        self._orig = stack_mod.DecoderBlock.__call__
+
+    def _store(self, stats):
+        self.rows.append({k: float(v) for k, v in stats.items()})
+
+    def __enter__(self):
+        recorder = self
+
+        def patched(block, x, cos, sin):
+            a = block.attn(block.attn_norm(x), cos, sin)
+            mid = x + a
+            ffn_in = block.ffn_norm(mid)
+            y, stats = block.ffn(ffn_in) if block.is_moe else (block.ffn(ffn_in), None)
+            sg = jax.lax.stop_gradient
+            jax.debug.callback(recorder._store, block_stats(sg(x), sg(a), sg(ffn_in), sg(y)), ordered=True)
+            return mid + y, stats
+
+        stack_mod.DecoderBlock.__call__ = patched
+        return self
+
+    def __exit__(self, *exc):
+        stack_mod.DecoderBlock.__call__ = self._orig
+
+    def take(self):
+        rows, self.rows = self.rows, []
+        if len(rows) != self.n_blocks:
+            raise RuntimeError(f"expected {self.n_blocks} block calls per step, got {len(rows)}")
+        return rows
+
+
 # ------------------------------------------------------------------ training (mirrors turbo_moe.train.step)
 def make_step(graphdef, tx, bias_schedule):
     def step_fn(params, extra, opt_state, batch, step):
@@ -188,10 +260,11 @@ def run_probe(args):
     graphdef, params, extra = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params)
     recorder = Recorder(cfg.n_router_layers)
+    blocks = BlockRecorder(cfg.n_layers + cfg.mtp_depth) if args.block_stats else contextlib.nullcontext()
     history = []
     prev_logit = None
     t0 = time.time()
-    with recorder:
+    with recorder, blocks:
         step_fn = make_step(graphdef, tx, rate_fn)
         for step in range(args.steps):
             batch = {k: jnp.asarray(v) for k, v in batches.batch_at(step).items()}
@@ -212,6 +285,8 @@ def run_probe(args):
             prev_logit = [st["mean_logit"] for st in layers]
             prev_score = [st["mean_score"] for st in layers]
             history.append({"step": step, "ce": ce, "rate": float(rate_fn(step)), "layers": rows})
+            if args.block_stats:
+                history[-1]["blocks"] = blocks.take()
             if step % args.print_every == 0 or step == args.steps - 1:
                 _print_row(history[-1], time.time() - t0)
     return cfg, tc, history
@@ -231,6 +306,10 @@ def _print_row(row, elapsed):
     print(f"step {row['step']:4d} ce {row['ce']:.3f} rate {row['rate']:.1e} ({elapsed:.0f}s)")
     for li, r in enumerate(row["layers"]):
         print("   L%d " % li + " ".join(f"{c} {r[c]:.3f}" for c in cols))
+    bcols = ("shared_in", "shared_attn", "shared_ffn_in", "shared_ffn", "shared_out", "attn_along", "ffn_along",
+             "rms_in", "rms_attn", "rms_ffn", "top_dim_share", "peak_ratio")
+    for bi, r in enumerate(row.get("blocks", [])):
+        print("   B%d " % bi + " ".join(f"{c} {r[c]:.3f}" for c in bcols))
     sys.stdout.flush()
 
 
@@ -252,6 +331,8 @@ def main(argv=None):
                    help="what router_center_ema's running mean is taken of (router.CENTER_SPACE)")
     p.add_argument("--gzip", action="store_true", help="write <name>.json.gz (the per-step history is ~1 MB)")
     p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--block-stats", action="store_true",
+                   help="also record, per block, which sub-layer (attention / FFN) writes the shared direction")
     p.add_argument("--name", default=None)
     p.add_argument("--out-dir", default=str(REPO / "experiments/results/routing_probe"))
     args = p.parse_args(argv)
