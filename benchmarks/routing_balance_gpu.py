@@ -99,6 +99,9 @@ _CHANGES = {
     "zero_unigram_lrs_prop_sched": {**_ZERO_UNIGRAM_LRS_PROP, "router_bias_rate_start": 3e-2,
                                     "router_bias_rate_decay_steps": 200},
     "zero_unigram_lrs_prop_bal1e-3": {**_ZERO_UNIGRAM_LRS_PROP, "balance_loss_weight": 1e-3},
+    # for runs at a lower peak lr (--lr 3e-4 / 5e-4) with the gate kept at the preset's 1e-4
+    "zero_unigram_lrs0.33_prop": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 1 / 3},
+    "zero_unigram_lrs0.2_prop": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 0.2},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 

@@ -289,7 +289,29 @@ def run_probe(args):
                 history[-1]["blocks"] = blocks.take()
             if step % args.print_every == 0 or step == args.steps - 1:
                 _print_row(history[-1], time.time() - t0)
+    if args.floor_batches:
+        history.append({"floor": routing_floor(graphdef, params, extra, batches, args.steps, args.floor_batches)})
     return cfg, tc, history
+
+
+def routing_floor(graphdef, params, extra, batches, first, n):
+    """The batch-to-batch part of the imbalance: the trained weights and bias frozen, max/mean load per
+    router row on `n` batches the run did not train on (steps first .. first + n - 1 of the same stream).
+    A perfectly adjusted bias cannot remove this part; T1 counts it at every step."""
+    model = nnx.merge(graphdef, params, extra)
+
+    @nnx.jit
+    def loads(model, batch):
+        load = lm_loss(model, batch)[1]["expert_load"]  # (rows, E)
+        return load.max(-1) / load.mean(-1)
+
+    rows = [np.asarray(loads(model, {k: jnp.asarray(v) for k, v in batches.batch_at(first + i).items()}))
+            for i in range(n)]
+    worst = np.array([r.max() for r in rows])
+    print(f"floor over {n} unseen batches (frozen weights and bias): worst row mean {worst.mean():.3f}, "
+          f"p90 {np.quantile(worst, 0.9):.3f}, max {worst.max():.3f}, batches with a row > 2.0: {(worst > 2).mean():.1%}")
+    return {"batches": n, "first_step": first, "load_per_row": [[round(float(v), 4) for v in r] for r in rows],
+            "worst_mean": float(worst.mean()), "worst_max": float(worst.max()), "frac_over_2": float((worst > 2).mean())}
 
 
 def _rate_schedule(args, cfg):
@@ -331,6 +353,8 @@ def main(argv=None):
                    help="what router_center_ema's running mean is taken of (router.CENTER_SPACE)")
     p.add_argument("--gzip", action="store_true", help="write <name>.json.gz (the per-step history is ~1 MB)")
     p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--floor-batches", type=int, default=0,
+                   help="after training, max/mean load on this many unseen batches with weights and bias frozen")
     p.add_argument("--block-stats", action="store_true",
                    help="also record, per block, which sub-layer (attention / FFN) writes the shared direction")
     p.add_argument("--name", default=None)
@@ -360,8 +384,10 @@ def main(argv=None):
 def summarize(history):
     """Per layer: load at step 0, max load over the run and the step it happened, mean load over
     windows, steps from which load stays <= 2."""
+    floor = [h["floor"] for h in history if "floor" in h]
+    history = [h for h in history if "layers" in h]
     n_layers = len(history[0]["layers"])
-    out = {}
+    out = {"floor": {k: v for k, v in floor[0].items() if k != "load_per_row"}} if floor else {}
     for li in range(n_layers):
         load = np.array([h["layers"][li]["load"] for h in history])
         after = np.where(load > 2.0)[0]
