@@ -102,6 +102,12 @@ _CHANGES = {
     # for runs at a lower peak lr (--lr 3e-4 / 5e-4) with the gate kept at the preset's 1e-4
     "zero_unigram_lrs0.33_prop": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 1 / 3},
     "zero_unigram_lrs0.2_prop": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 0.2},
+    # token embeddings at init std 1.0 / 0.25 instead of d_model ** -0.5 (0.028): a residual stream that the
+    # blocks' growing outputs do not swamp in the warm-up ("Spike No More", Takase et al. 2023: small
+    # embeddings in pre-LN models make loss spikes); a slower proportional bias (5e-3)
+    "zero_unigram_lrs_prop_emb1": {**_ZERO_UNIGRAM_LRS_PROP, "embedding_init_std": 1.0},
+    "zero_unigram_lrs_prop_emb0.25": {**_ZERO_UNIGRAM_LRS_PROP, "embedding_init_std": 0.25},
+    "zero_unigram_lrs_prop5e-3": {**_ZERO_UNIGRAM_LRS_PROP, "router_bias_rate": 5e-3},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 
