@@ -56,6 +56,10 @@ def deepseek_shapes(quick: bool) -> list[Shape]:
                        Shape(f"dsv3_fused_gate_up_G{G}_M{M}", M, 7168, 4096, G),
                        Shape(f"dsv3_down_G{G}_M{M}", M, 2048, 7168, G)]
     shapes.append(Shape("dsv2_lite_G64_M65536", 65536, 2048, 1408, 64))
+    # `reduced` (d_model 1280, moe_ffn_dim 512, 64 experts, top-6): batch 8 x 2048 and 4 x 2048 tokens
+    for M in (98304, 49152):
+        shapes += [Shape(f"reduced_gate_up_G64_M{M}", M, 1280, 1024, 64),
+                   Shape(f"reduced_down_G64_M{M}", M, 512, 1280, 64)]
     if quick:
         shapes = [s for s in shapes if s.name in ("dsv3_gate_up_G32_M32768", "dsv3_down_G256_M32768",
                                                   "dsv2_lite_G64_M65536")]
