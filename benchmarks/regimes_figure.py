@@ -15,7 +15,9 @@ import json
 import statistics
 from pathlib import Path
 
-WINDOWS = ((3, 23), (23, 50), (50, 80), (80, 110))
+WINDOWS = ((3, 23), (23, 50), (50, 80), (80, 110), (110, 150))  # a window past a run's end is left out
+# the opt-in speed switches of issue 14 (README "Faster steps"): a run with any of them is labelled "+ cuts"
+CUT_KEYS = ("adam_mu_dtype", "cast_params_before_scan", "loss_chunk_tokens")
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -29,6 +31,8 @@ def load_runs(folder: Path) -> list[dict]:
         label = overrides.get("moe_path", "?")
         if label == "dense_cf":
             label += f" cf {overrides.get('capacity_factor')}"
+        if any(record["config"].get(k) or overrides.get(k) for k in CUT_KEYS):
+            label += " + cuts"
         runs.append({"label": label, "history": history, "provenance": record.get("provenance", {})})
     if not runs:
         raise SystemExit(f"{folder}: no train_once.py records (*.json)")
