@@ -33,6 +33,20 @@ struct Cooperative {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
+// The same tile without the cluster, for outputs whose count of 256-wide N tiles is odd: the group
+// tile scheduler rounds each problem's N tiles up to the cluster's 2, so at N = 1280 (5 tiles, the
+// `reduced` model's d_model) a sixth of the CTAs' tiles were empty (measured 0.69-0.72x dense there
+// against 0.82-0.90x at even counts: experiments/NOTES.md, issue 14).
+struct CooperativeNoCluster {
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_1, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// Whether an output N wide takes the cluster-free instance (an odd number of N tiles).
+inline bool odd_n_tiles(int64_t N) { return (N + 255) / 256 % 2 == 1; }
+
 // One grouped GEMM configuration: D (row-major) = A @ B, float32 accumulation, no C operand.
 template <typename Element, typename LayoutA, typename LayoutB, typename Schedule = Cooperative>
 struct Config {
@@ -194,12 +208,12 @@ ffi::Error run_gemm(const DeviceArgs<Cfg, Element>& d, int64_t n, ScratchArena& 
   return last_cuda_error(what);
 }
 
-template <typename Element, bool kTransposeRhs>
+template <typename Element, bool kTransposeRhs, typename Schedule>
 ffi::Error forward(const GroupedGemmArgs& a, void* scratch, size_t scratch_size, int device,
                    cudaStream_t stream) {
   // rhs[g] is (K, N) row-major = N-contiguous B; transposed (N, K) row-major = K-contiguous B.
   using LayoutB = std::conditional_t<kTransposeRhs, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using Cfg = Config<Element, cutlass::layout::RowMajor, LayoutB>;
+  using Cfg = Config<Element, cutlass::layout::RowMajor, LayoutB, Schedule>;
   const int64_t n = a.batch * a.G;
   ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
   auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
@@ -209,11 +223,11 @@ ffi::Error forward(const GroupedGemmArgs& a, void* scratch, size_t scratch_size,
   return run_gemm<Cfg, Element>(d, n, arena, device, stream, "grouped_gemm (sm90)");
 }
 
-template <typename Element>
+template <typename Element, typename Schedule>
 ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_size, int device,
                        cudaStream_t stream) {
   // A = lhs^T is (K x rows) with K contiguous: column-major; B = d_out rows, N contiguous.
-  using Cfg = Config<Element, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using Cfg = Config<Element, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Schedule>;
   const int64_t n = a.batch * a.G;
   ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
   auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
@@ -230,21 +244,31 @@ ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_s
 }  // namespace turbo_moe::sm90
 
 // Declares/defines the extern entry points of one element type (one .cu file per type, so the
-// heavy template instantiations compile in parallel).
+// heavy template instantiations compile in parallel). Each op picks the cluster-free instance when
+// its output has an odd number of N tiles.
 #define TURBO_MOE_SM90_INSTANCE(SUFFIX, ELEMENT)                                                   \
   namespace turbo_moe::sm90 {                                                                      \
   ffi::Error forward_##SUFFIX(const GroupedGemmArgs& a, void* s, size_t sb, int dev, cudaStream_t st) { \
-    return a.transpose_rhs ? forward<ELEMENT, true>(a, s, sb, dev, st)                             \
-                           : forward<ELEMENT, false>(a, s, sb, dev, st);                           \
+    if (odd_n_tiles(a.N))                                                                          \
+      return a.transpose_rhs ? forward<ELEMENT, true, CooperativeNoCluster>(a, s, sb, dev, st)     \
+                             : forward<ELEMENT, false, CooperativeNoCluster>(a, s, sb, dev, st);   \
+    return a.transpose_rhs ? forward<ELEMENT, true, Cooperative>(a, s, sb, dev, st)                \
+                           : forward<ELEMENT, false, Cooperative>(a, s, sb, dev, st);              \
   }                                                                                                \
   ffi::Error weight_grad_##SUFFIX(const GroupedGemmArgs& a, void* s, size_t sb, int dev, cudaStream_t st) { \
-    return weight_grad<ELEMENT>(a, s, sb, dev, st);                                                \
+    return odd_n_tiles(a.N) ? weight_grad<ELEMENT, CooperativeNoCluster>(a, s, sb, dev, st)        \
+                            : weight_grad<ELEMENT, Cooperative>(a, s, sb, dev, st);                \
   }                                                                                                \
-  size_t scratch_bytes_##SUFFIX(int64_t n, int dev) {                                              \
-    using Fwd = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;             \
-    using FwdT = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;         \
-    using Wgrad = Config<ELEMENT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;        \
+  template <typename Schedule>                                                                     \
+  size_t scratch_bytes_of_##SUFFIX(int64_t n, int dev) {                                           \
+    using Fwd = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Schedule>;   \
+    using FwdT = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Schedule>; \
+    using Wgrad = Config<ELEMENT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Schedule>; \
     return std::max({scratch_bytes<Fwd, ELEMENT>(n, dev), scratch_bytes<FwdT, ELEMENT>(n, dev),    \
                      scratch_bytes<Wgrad, ELEMENT>(n, dev)});                                      \
+  }                                                                                                \
+  size_t scratch_bytes_##SUFFIX(int64_t n, int dev) {                                              \
+    return std::max(scratch_bytes_of_##SUFFIX<Cooperative>(n, dev),                                \
+                    scratch_bytes_of_##SUFFIX<CooperativeNoCluster>(n, dev));                      \
   }                                                                                                \
   }

@@ -16,9 +16,11 @@ from turbo_moe import ops
 def main():
     rng = np.random.default_rng(0)
     gpu = jax.devices("gpu")[0]
-    M, K, N = 300, 64, 72
+    M, K = 300, 64
     sizes = np.array([0, 120, 0, 0, 100, 0, 30], np.int32)  # empty groups; sum < M
-    for dtype in (jnp.bfloat16, jnp.float32):  # the Hopper kernel and the portable one
+    # the Hopper kernel's cluster-free (N = 72: one N tile) and clustered (N = 512: two) instances, and
+    # the portable kernel
+    for dtype, N in ((jnp.bfloat16, 72), (jnp.bfloat16, 512), (jnp.float32, 72)):
         lhs = jax.device_put(jnp.asarray(rng.standard_normal((M, K)), dtype), gpu)
         rhs = jax.device_put(jnp.asarray(rng.standard_normal((len(sizes), K, N)) / 8, dtype), gpu)
         d_out = jax.device_put(jnp.asarray(rng.standard_normal((M, N)), dtype), gpu)
@@ -30,7 +32,7 @@ def main():
         e1 = np.abs(f32(out) - ref.grouped_gemm(f32(lhs), f32(rhs), sizes)).max()
         e2 = np.abs(f32(dgrad) - ref.grouped_gemm(f32(d_out), f32(rhs), sizes, transpose_rhs=True)).max()
         e3 = np.abs(f32(wgrad) - ref.weight_grad(f32(lhs), f32(d_out), sizes)).max()
-        print(f"grouped_gemm {jnp.dtype(dtype).name}: fwd {e1:.3g} dgrad {e2:.3g} wgrad {e3:.3g}", flush=True)
+        print(f"grouped_gemm {jnp.dtype(dtype).name} N={N}: fwd {e1:.3g} dgrad {e2:.3g} wgrad {e3:.3g}", flush=True)
 
     T, H, k, E = 200, 40, 3, 8
     ids = rng.integers(0, E - 3, size=(T, k)).astype(np.int32)  # experts 5..7 stay empty
