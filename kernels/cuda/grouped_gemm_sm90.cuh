@@ -4,7 +4,6 @@
 // by the grouped_gemm_sm90_*.cu instance files, which are compiled for sm_90a alone.
 #pragma once
 
-#include <cstdlib>
 #include <string>
 
 #include "cute/tensor.hpp"
@@ -45,27 +44,8 @@ struct CooperativeNoCluster {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-// Forward/dgrad with a short K (<= 512: 8 k-steps of 64 per tile): two consumer warpgroups on 128 x 128
-// tiles of their own, so one's epilogue overlaps the other's mainloop (the cooperative schedule stores a
-// tile's output before the next one starts; at K = 512 that is a large share of the tile's time).
-struct PingpongNoCluster {
-  using TileShape = Shape<_128, _128, _64>;
-  using ClusterShape = Shape<_1, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
 // Whether an output N wide takes the cluster-free instance (an odd number of N tiles).
 inline bool odd_n_tiles(int64_t N) { return (N + 255) / 256 % 2 == 1; }
-// Whether a forward-type product takes the ping-pong instance (env TURBO_MOE_SM90_PINGPONG=0 turns it off,
-// for A/B runs).
-inline bool short_k(int64_t K) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("TURBO_MOE_SM90_PINGPONG");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return enabled && K <= 512;
-}
 
 // One grouped GEMM configuration: D (row-major) = A @ B, float32 accumulation, no C operand.
 template <typename Element, typename LayoutA, typename LayoutB, typename Schedule = Cooperative>
@@ -269,9 +249,6 @@ ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_s
 #define TURBO_MOE_SM90_INSTANCE(SUFFIX, ELEMENT)                                                   \
   namespace turbo_moe::sm90 {                                                                      \
   ffi::Error forward_##SUFFIX(const GroupedGemmArgs& a, void* s, size_t sb, int dev, cudaStream_t st) { \
-    if (short_k(a.K))                                                                              \
-      return a.transpose_rhs ? forward<ELEMENT, true, PingpongNoCluster>(a, s, sb, dev, st)        \
-                             : forward<ELEMENT, false, PingpongNoCluster>(a, s, sb, dev, st);      \
     if (odd_n_tiles(a.N))                                                                          \
       return a.transpose_rhs ? forward<ELEMENT, true, CooperativeNoCluster>(a, s, sb, dev, st)     \
                              : forward<ELEMENT, false, CooperativeNoCluster>(a, s, sb, dev, st);   \
@@ -291,10 +268,7 @@ ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_s
                      scratch_bytes<Wgrad, ELEMENT>(n, dev)});                                      \
   }                                                                                                \
   size_t scratch_bytes_##SUFFIX(int64_t n, int dev) {                                              \
-    using PingFwd = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::RowMajor, PingpongNoCluster>; \
-    using PingFwdT = Config<ELEMENT, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, PingpongNoCluster>; \
-    return std::max({scratch_bytes_of_##SUFFIX<Cooperative>(n, dev),                               \
-                     scratch_bytes_of_##SUFFIX<CooperativeNoCluster>(n, dev),                      \
-                     scratch_bytes<PingFwd, ELEMENT>(n, dev), scratch_bytes<PingFwdT, ELEMENT>(n, dev)}); \
+    return std::max(scratch_bytes_of_##SUFFIX<Cooperative>(n, dev),                                \
+                    scratch_bytes_of_##SUFFIX<CooperativeNoCluster>(n, dev));                      \
   }                                                                                                \
   }
