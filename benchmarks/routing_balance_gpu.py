@@ -108,6 +108,8 @@ _CHANGES = {
     "zero_unigram_lrs_prop_emb1": {**_ZERO_UNIGRAM_LRS_PROP, "embedding_init_std": 1.0},
     "zero_unigram_lrs_prop_emb0.25": {**_ZERO_UNIGRAM_LRS_PROP, "embedding_init_std": 0.25},
     "zero_unigram_lrs_prop5e-3": {**_ZERO_UNIGRAM_LRS_PROP, "router_bias_rate": 5e-3},
+    # causal sequence centering of the selection (router_center_causal) on the preset
+    "zero_unigram_lrs_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 

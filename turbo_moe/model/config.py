@@ -133,6 +133,11 @@ class ModelConfig:
     # direction is projected out of every token before top-k selection only (combine weights unchanged):
     # the direction all tokens share, which the gate turns into per-expert levels (NOTES, issue 13).
     router_center_ema: float = 0.0
+    # Causal sequence centering of the selection (False: off): top-k reads sigmoid(l_t - mean_{s<=t} l_s),
+    # each token's gate logits minus the running mean of its own sequence's so far (stop-gradient; combine
+    # weights unchanged). Whatever every token of a sequence shares, the depth- or lr-made shared direction
+    # of NOTES issue 13, leaves the choice exactly; past tokens only, so training and decoding agree.
+    router_center_causal: bool = False
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -310,6 +315,10 @@ def _validate(c: ModelConfig) -> None:
     _require(isinstance(c.router_center_ema, (int, float)) and not isinstance(c.router_center_ema, bool)
              and 0 <= c.router_center_ema <= 1, "router_center_ema",
              f"must be a number in [0, 1] (0: off), got {c.router_center_ema!r}")
+    _require(isinstance(c.router_center_causal, bool), "router_center_causal",
+             f"must be a bool, got {c.router_center_causal!r}")
+    _require(not (c.router_center_causal and c.router_center_ema > 0), "router_center_causal",
+             f"and router_center_ema={c.router_center_ema} are two centerings of the same selection: set one")
     for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate", "router_bias_rate_start"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,

@@ -87,6 +87,18 @@ def centered_selection(x: jax.Array, logits: jax.Array, gate: jax.Array, center:
     raise ValueError(f"router.CENTER_SPACE: expected 'project' or 'input', got {CENTER_SPACE!r}")
 
 
+def causal_centered_selection(logits: jax.Array) -> jax.Array:
+    """Selection scores sigmoid(l_t - mean_{s<=t} l_s) (stop-gradient) from gate logits (B, S, E): each
+    token's logits minus the running mean of its sequence up to and including itself. A vector added to
+    every token of a sequence shifts all its logits alike and leaves the selection unchanged."""
+    if logits.ndim != 3:
+        raise ValueError(f"router_center_causal needs the router input as (batch, seq, d_model); got logits of "
+                         f"shape {logits.shape}")
+    logits = jax.lax.stop_gradient(logits)
+    count = jnp.arange(1, logits.shape[1] + 1, dtype=jnp.float32)[None, :, None]
+    return jax.nn.sigmoid(logits - jnp.cumsum(logits, axis=1) / count)
+
+
 class Router(nnx.Module):
     """Gate projection (D -> E, float32 math) + the selection bias."""
 
@@ -112,6 +124,8 @@ class Router(nnx.Module):
         if self.cfg.router_center_ema > 0:
             # Past steps only (the running mean as it stood before this batch): causal-safe.
             selection = centered_selection(x, logits, gate, self.center[...])
+        elif self.cfg.router_center_causal:
+            selection = causal_centered_selection(logits)
         return route(scores, self.bias[...], self.cfg, selection)
 
     def center_statistic(self, x: jax.Array, routing: Routing) -> jax.Array | None:
