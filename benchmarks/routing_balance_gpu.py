@@ -110,6 +110,11 @@ _CHANGES = {
     "zero_unigram_lrs_prop5e-3": {**_ZERO_UNIGRAM_LRS_PROP, "router_bias_rate": 5e-3},
     # causal sequence centering of the selection (router_center_causal) on the preset
     "zero_unigram_lrs_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True},
+    # with the shared levels out of the choice, the reason for a slow gate is gone: gate at the full lr / 0.3;
+    # and a faster proportional bias (2e-2) now that the per-batch floor is lower
+    "zero_unigram_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 1.0, "router_center_causal": True},
+    "zero_unigram_lrs0.3_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 0.3, "router_center_causal": True},
+    "zero_unigram_lrs_prop2e-2_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_bias_rate": 2e-2, "router_center_causal": True},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 
