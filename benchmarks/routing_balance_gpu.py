@@ -45,8 +45,8 @@ from _records import parse_paths  # noqa: E402
 # Router recipes: ModelConfig overrides on top of DeepSeek-V3's router settings (_DEEPSEEK: what the
 # `reduced` preset had before issue 13 part 6: bias rate 1e-3 sign rule, no head bias, random out
 # projections, gate at the full lr; balance weight 1e-4, router init = init_std 0.006), so each name keeps
-# the meaning it had in the committed records. "preset": the preset as it is at run time (since part 6 the
-# recipe "zero_unigram_lrs_prop"); "deepseek": _DEEPSEEK itself (the "preset" of the older records).
+# the meaning it had in the committed records. "preset": the preset as it is at run time (parts 6-7: the
+# recipe "zero_unigram_lrs_prop"; since part 8 "zero_unigram_lrs_prop_causal"); "deepseek": _DEEPSEEK itself (the "preset" of the older records).
 # "bias1e-2": bias rate 1e-2 throughout (needs no change in turbo_moe.train.step). "sched": rate 1e-2
 # decaying (half-cosine) to 1e-3 over 400 steps -- only effective once turbo_moe.train.step calls
 # turbo_moe.model.router.bias_rate_at (the script records whether it does). "fanin": "sched" plus the
@@ -65,7 +65,7 @@ from _records import parse_paths  # noqa: E402
 # preset, on "prop" and on "lrs_prop". "zero_*": also zero_init_out_proj (every block starts as the identity:
 # no shared direction from depth at init, part 6); "center_zero_*" adds router centering 0.3.
 _DEEPSEEK = {"head_bias": "none", "zero_init_out_proj": False, "router_lr_scale": 1.0, "router_bias_update": "sign",
-             "router_bias_rate": 1e-3}
+             "router_bias_rate": 1e-3, "router_center_causal": False}
 _LRS_PROP = {"router_lr_scale": 0.1, "router_bias_update": "proportional", "router_bias_rate": 1e-2}
 _ZERO_UNIGRAM_LRS_PROP = {"zero_init_out_proj": True, "head_bias": "unigram", **_LRS_PROP}
 _CHANGES = {

@@ -80,3 +80,9 @@ def test_the_model_with_it_has_finite_nonzero_gradients():
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     assert leaves and all(np.isfinite(np.asarray(g)).all() for g in leaves)
     assert any(np.abs(np.asarray(g)).max() > 0 for g in leaves)
+
+
+def test_the_reduced_preset_uses_it_and_deepseek_width_does_not():
+    assert get_config("reduced").router_center_causal  # the issue-13 routing recipe (NOTES part 8)
+    assert not get_config("deepseek_v3_671b").router_center_causal  # DeepSeek-V3's published router
+    assert not get_config("tiny").router_center_causal
