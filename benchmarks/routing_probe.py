@@ -101,22 +101,44 @@ def router_stats(x, logits, expert_ids, bias, cfg, selection=None, center=None):
     )
 
 
-class Recorder:
-    """Patches Router.__call__ so each router call sends its statistics to the host. Calls arrive in
-    program order (ordered callbacks): the MoE stack's layers, then the MTP blocks, i.e. the row order
-    of `expert_load`."""
+class _MethodRecorder:
+    """Swaps `owner.<name>` for `self.wrap(original)` inside a `with` block; the wrapped method sends one
+    dict of statistics per call to the host (ordered callbacks: program order). `take()` returns one step's
+    rows and checks their count."""
 
-    def __init__(self, n_layers: int):
-        self.n_layers = n_layers
+    def __init__(self, owner, name: str, per_step: int, what: str):
+        self.owner, self.name, self.per_step, self.what = owner, name, per_step, what
         self.rows: list[dict] = []
-        self._orig = router_mod.Router.__call__
+        self._orig = getattr(owner, name)
 
     def _store(self, stats):
         self.rows.append({k: np.asarray(v) for k, v in stats.items()})
 
-    def __enter__(self):
-        recorder, orig = self, self._orig
+    def wrap(self, orig):
+        raise NotImplementedError
 
+    def __enter__(self):
+        setattr(self.owner, self.name, self.wrap(self._orig))
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self._orig)
+
+    def take(self):
+        rows, self.rows = self.rows, []
+        if len(rows) != self.per_step:
+            raise RuntimeError(f"expected {self.per_step} {self.what} calls per step, got {len(rows)}")
+        return rows
+
+
+class Recorder(_MethodRecorder):
+    """Router.__call__ -> `router_stats` of every router call: the MoE stack's layers, then the MTP blocks,
+    i.e. the row order of `expert_load`."""
+
+    def __init__(self, n_layers: int):
+        super().__init__(router_mod.Router, "__call__", n_layers, "router")
+
+    def wrap(self, orig):
         def patched(router, x):
             routing = orig(router, x)
             logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router.gate())
@@ -126,20 +148,10 @@ class Recorder:
                 selection = router_mod.centered_selection(x, logits, router.gate(), center)
             stats = router_stats(jax.lax.stop_gradient(x), jax.lax.stop_gradient(logits), routing.expert_ids,
                                  jax.lax.stop_gradient(router.bias[...]), router.cfg, selection, center)
-            jax.debug.callback(recorder._store, stats, ordered=True)
+            jax.debug.callback(self._store, stats, ordered=True)
             return routing
 
-        router_mod.Router.__call__ = patched
-        return self
-
-    def __exit__(self, *exc):
-        router_mod.Router.__call__ = self._orig
-
-    def take(self):
-        rows, self.rows = self.rows, []
-        if len(rows) != self.n_layers:
-            raise RuntimeError(f"expected {self.n_layers} router calls per step, got {len(rows)}")
-        return rows
+        return patched
 
 
 def _shared(v):
@@ -175,41 +187,24 @@ def block_stats(x, attn_out, ffn_in, ffn_out):
     )
 
 
-class BlockRecorder:
-    """Patches DecoderBlock.__call__ (same computation, no named scopes) to send `block_stats` of every
-    block, dense, MoE and MTP, to the host in program order."""
+class BlockRecorder(_MethodRecorder):
+    """DecoderBlock.__call__ (same computation, no named scopes) -> `block_stats` of every block, dense, MoE
+    and MTP, in program order."""
 
     def __init__(self, n_blocks: int):
-        self.n_blocks = n_blocks
-        self.rows: list[dict] = []
-        self._orig = stack_mod.DecoderBlock.__call__
+        super().__init__(stack_mod.DecoderBlock, "__call__", n_blocks, "block")
 
-    def _store(self, stats):
-        self.rows.append({k: float(v) for k, v in stats.items()})
-
-    def __enter__(self):
-        recorder = self
-
+    def wrap(self, orig):
         def patched(block, x, cos, sin):
             a = block.attn(block.attn_norm(x), cos, sin)
             mid = x + a
             ffn_in = block.ffn_norm(mid)
             y, stats = block.ffn(ffn_in) if block.is_moe else (block.ffn(ffn_in), None)
             sg = jax.lax.stop_gradient
-            jax.debug.callback(recorder._store, block_stats(sg(x), sg(a), sg(ffn_in), sg(y)), ordered=True)
+            jax.debug.callback(self._store, block_stats(sg(x), sg(a), sg(ffn_in), sg(y)), ordered=True)
             return mid + y, stats
 
-        stack_mod.DecoderBlock.__call__ = patched
-        return self
-
-    def __exit__(self, *exc):
-        stack_mod.DecoderBlock.__call__ = self._orig
-
-    def take(self):
-        rows, self.rows = self.rows, []
-        if len(rows) != self.n_blocks:
-            raise RuntimeError(f"expected {self.n_blocks} block calls per step, got {len(rows)}")
-        return rows
+        return patched
 
 
 # ------------------------------------------------------------------ training (mirrors turbo_moe.train.step)
@@ -286,7 +281,7 @@ def run_probe(args):
             prev_score = [st["mean_score"] for st in layers]
             history.append({"step": step, "ce": ce, "rate": float(rate_fn(step)), "layers": rows})
             if args.block_stats:
-                history[-1]["blocks"] = blocks.take()
+                history[-1]["blocks"] = [{k: float(v) for k, v in r.items()} for r in blocks.take()]
             if step % args.print_every == 0 or step == args.steps - 1:
                 _print_row(history[-1], time.time() - t0)
     if args.floor_batches:
