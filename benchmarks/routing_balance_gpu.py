@@ -115,6 +115,9 @@ _CHANGES = {
     "zero_unigram_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 1.0, "router_center_causal": True},
     "zero_unigram_lrs0.3_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 0.3, "router_center_causal": True},
     "zero_unigram_lrs_prop2e-2_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_bias_rate": 2e-2, "router_center_causal": True},
+    # with centering, steps over 2.0 fell with the gate's lr (1.0: 88, 0.3: 32, 0.1: 8): a slower gate still
+    "zero_unigram_lrs0.03_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 0.03, "router_center_causal": True},
+    "zero_unigram_lrs0.01_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 0.01, "router_center_causal": True},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 

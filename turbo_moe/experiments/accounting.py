@@ -151,8 +151,10 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
     "full": the block input. "dots_no_batch" (and "dots", whose extra batched dots are attention and
     dense_cf's slot einsums): the input plus every projection output (MLA q/kv LoRA and up-projections,
     output projection, the float32 router gate, the shared expert or dense FFN). Grouped GEMMs (FFI
-    calls, `ragged_dot`) and cuDNN attention are not dots: they are recomputed. "none": the whole
-    working set of the block (attention + FFN) stays.
+    calls, `ragged_dot`) and cuDNN attention are not dots: they are recomputed. "dots_experts_attention":
+    "dots_no_batch" plus the routed experts' rows, gate/up and down outputs (per copy or capacity slot) and
+    cuDNN attention's output and float32 softmax statistics. "none": the whole working set of the block
+    (attention + FFN) stays.
     """
     act = _BYTES[cfg.dtype]
     d = cfg.d_model
@@ -171,6 +173,12 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
         gate = cfg.n_experts * 4 / act  # float32 router scores
     else:
         ffn, gate = 2 * cfg.dense_ffn_dim + d, 0
+    if cfg.remat_policy == "dots_experts_attention":
+        attention += h * cfg.v_head_dim + h * 4 / act  # cuDNN's output and float32 log-sum-exp
+        if moe:
+            # rows in, gate/up out, down out; dense_cf: per capacity slot (cf x top_k per token, unrounded)
+            rows = cfg.top_k * (cfg.capacity_factor if _capacity_slots(cfg, path) else 1.0)
+            ffn += rows * (2 * d + 2 * cfg.moe_ffn_dim)
     return (d + attention + ffn + gate) * act
 
 

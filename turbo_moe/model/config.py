@@ -16,7 +16,7 @@ MOE_PATHS = ("dense_cf", "ragged", "turbo", "pallas")  # each has its rows in tu
 EP_EXCHANGES = ("deepep", "ragged_all_to_all")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attention")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
@@ -89,6 +89,9 @@ class ModelConfig:
     ep_capacity_factor: float = 0.0
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
+    # What a block keeps for its backward pass (the rest is recomputed): "none" everything, "full" its input,
+    # "dots" / "dots_no_batch" JAX's matmul policies, "dots_experts_attention" = "dots_no_batch" + the routed
+    # experts' GEMM inputs/outputs and cuDNN attention's outputs (custom kernels the dot policies recompute).
     remat_policy: str = "none"
     # Run each stack of blocks (dense prefix, MoE blocks) as one jax.lax.scan: compile time independent
     # of depth. False: the same stacked weights in a Python loop (every layer in the HLO; debugging).

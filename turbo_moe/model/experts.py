@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.sharding import EXPERT_AXIS
@@ -45,18 +46,24 @@ def swiglu_fused(h: jax.Array) -> jax.Array:
 GroupedGemm = Callable[[jax.Array, jax.Array, "jax.Array | None"], jax.Array]
 
 
+# Names of the expert FFN's inputs and GEMM outputs (`jax.ad_checkpoint.checkpoint_name`): the remat
+# policy "dots_experts_attention" saves them so that no path's expert GEMMs run again in the backward pass.
+EXPERT_SAVE_NAMES = ("moe_expert_rows", "moe_expert_gate_up", "moe_expert_down")
+
+
 def expert_ffn(rows: jax.Array, weights: ExpertWeights, group_sizes: jax.Array | None,
                gemm: GroupedGemm) -> jax.Array:
     """The E SwiGLU experts on expert-sorted rows, for any grouped GEMM: gate+up GEMM -> SwiGLU -> down GEMM.
 
     rows (M, D) sorted by expert with group_sizes (E,) rows each (or (E, ..., D) slots and None for the
     batched einsum) -> (M, D) (or (E, ..., D)). gate and up are one GEMM to 2F (fused weights)."""
+    rows = checkpoint_name(rows, EXPERT_SAVE_NAMES[0])
     with jax.named_scope("grouped_gemm"):
-        h = gemm(rows, weights.w_gate_up, group_sizes)  # (M, 2F)
+        h = checkpoint_name(gemm(rows, weights.w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (M, 2F)
     with jax.named_scope("swiglu"):
         act = swiglu_fused(h)  # (M, F)
     with jax.named_scope("grouped_gemm"):
-        return gemm(act, weights.w_down, group_sizes)  # (M, D)
+        return checkpoint_name(gemm(act, weights.w_down, group_sizes), EXPERT_SAVE_NAMES[2])  # (M, D)
 
 
 def routed_load(expert_ids: jax.Array, n_experts: int) -> jax.Array:

@@ -16,15 +16,30 @@ import jax.numpy as jnp
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
-from turbo_moe.model.experts import RoutedExperts
+from turbo_moe.model.experts import EXPERT_SAVE_NAMES, RoutedExperts
 from turbo_moe.model.layers import MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
 from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
+
+# The routed experts' tensors the backward pass reads (named in `experts.expert_ffn`), and the cuDNN
+# attention kernel's outputs (its output and softmax statistics are its backward's residuals). Neither is
+# a plain dot, so under "dots_no_batch" the grouped GEMMs, the permute and cuDNN's forward run again in the
+# backward pass (~17 ms of a 175 ms `reduced` step, experiments/NOTES.md issue 14).
+_CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
+
+
+def _cudnn_attention_outputs(prim, *_, **__) -> bool:
+    return prim.name == _CUDNN_ATTENTION_FWD
+
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_experts_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES), _cudnn_attention_outputs)),
 }
 
 
