@@ -323,3 +323,18 @@ def test_unwritable_table_is_one_line_from_the_cli(tmp_path, toy_notebook, test_
     assert cli.main(["sweep", str(sweeps / "toy.yaml"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "No space left on device" in err and "toy.csv" in err and len(err.strip().splitlines()) == 1
+
+
+def test_failed_forced_rerun_keeps_the_earlier_record(toy_notebook, tmp_path, monkeypatch):
+    layout = SweepLayout(results_dir=tmp_path / "results", runs_dir=tmp_path / "runs", sweep="toy")
+    spec = spec_from_dict({"name": "toy", "notebook": str(toy_notebook), "points": [{"x": 3}]})
+    monkeypatch.setattr(runner, "check_kernel", lambda name: None)
+    monkeypatch.setattr(runner, "execute_notebook", _ok_execute)
+    (first,) = run_sweep(spec, layout=layout, progress=False)
+    record = layout.results_dir / first["record"]
+    kept = record.read_bytes()
+
+    monkeypatch.setattr(runner, "execute_notebook", lambda *a: ("error", "RuntimeError: kernel crashed"))
+    (again,) = run_sweep(spec, layout=layout, force=True, progress=False)
+    assert again["status"] == "error" and again["record"] is None
+    assert record.read_bytes() == kept  # the finished run's curves are still there for its row

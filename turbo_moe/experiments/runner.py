@@ -232,8 +232,9 @@ def run_point(spec: SweepSpec, point: SweepPoint, *, layout: SweepLayout, kernel
         elif rec_status != "ok" or status == "ok":
             status, error = rec_status, record.get("error") or error
     else:
+        # This run has no record: its row says so (record None). An older finished run's record stays at
+        # record_path, where that run's row (still in the table) points: a failed --force re-run loses nothing.
         partial.unlink(missing_ok=True)
-        record_path.unlink(missing_ok=True)  # this run has no record; do not leave an older one behind
         if status == "ok" and spec.record:
             status, error = "error", f"the notebook finished but wrote no record at result_json={partial}"
     return build_row(spec.name, point, status, error, elapsed, record, layout, record_path, notebook_out)
