@@ -51,19 +51,26 @@ GroupedGemm = Callable[[jax.Array, jax.Array, "jax.Array | None"], jax.Array]
 EXPERT_SAVE_NAMES = ("moe_expert_rows", "moe_expert_gate_up", "moe_expert_down")
 
 
+def _named(x: jax.Array, name: str) -> jax.Array:
+    # The barrier keeps XLA's dynamic-slice fusion from wrapping a *clone* of the FFI call that made x
+    # around the write into the scan's stacked residuals (it did: every saved grouped GEMM ran twice in
+    # the forward pass; experiments/NOTES.md, issue 14). Values are unchanged.
+    return checkpoint_name(jax.lax.optimization_barrier(x), name)
+
+
 def expert_ffn(rows: jax.Array, weights: ExpertWeights, group_sizes: jax.Array | None,
                gemm: GroupedGemm) -> jax.Array:
     """The E SwiGLU experts on expert-sorted rows, for any grouped GEMM: gate+up GEMM -> SwiGLU -> down GEMM.
 
     rows (M, D) sorted by expert with group_sizes (E,) rows each (or (E, ..., D) slots and None for the
     batched einsum) -> (M, D) (or (E, ..., D)). gate and up are one GEMM to 2F (fused weights)."""
-    rows = checkpoint_name(rows, EXPERT_SAVE_NAMES[0])
+    rows = _named(rows, EXPERT_SAVE_NAMES[0])
     with jax.named_scope("grouped_gemm"):
-        h = checkpoint_name(gemm(rows, weights.w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (M, 2F)
+        h = _named(gemm(rows, weights.w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (M, 2F)
     with jax.named_scope("swiglu"):
         act = swiglu_fused(h)  # (M, F)
     with jax.named_scope("grouped_gemm"):
-        return checkpoint_name(gemm(act, weights.w_down, group_sizes), EXPERT_SAVE_NAMES[2])  # (M, D)
+        return _named(gemm(act, weights.w_down, group_sizes), EXPERT_SAVE_NAMES[2])  # (M, D)
 
 
 def routed_load(expert_ids: jax.Array, n_experts: int) -> jax.Array:
