@@ -33,6 +33,8 @@ def load_runs(folder: Path) -> list[dict]:
             label += f" cf {overrides.get('capacity_factor')}"
         if any(record["config"].get(k) or overrides.get(k) for k in CUT_KEYS):
             label += " + cuts"
+        if overrides.get("remat_policy"):
+            label += f" + remat {overrides['remat_policy']}"
         runs.append({"label": label, "history": history, "provenance": record.get("provenance", {})})
     if not runs:
         raise SystemExit(f"{folder}: no train_once.py records (*.json)")
