@@ -23,7 +23,18 @@ from _records import write_csv  # noqa: E402
 
 GIB = 2**30
 SWITCHES = ("remat_policy", "adam_mu_dtype", "cast_params_before_scan", "loss_chunk_tokens", "param_dtype",
-            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth")
+            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_center_causal")
+
+
+_SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "cast_params_before_scan": "cast",
+          "loss_chunk_tokens": "chunk", "param_dtype": "params", "router_center_causal": "center"}
+
+
+def _switch_label(key: str, value) -> str:
+    """' cast' for a switch that is on, '' for one that is off, ' remat=full' for a valued one."""
+    if value in (None, False, 0, "", "False", "0") or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f" {_SHORT.get(key, key)}" + ("" if value in (True, "True") else f"={value}")
 
 
 def _regime(history: list[dict], skip: int) -> tuple[float, str]:
@@ -83,10 +94,14 @@ def figure(rows: list[dict], path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # the switches that differ between the rows name each bar (those the label already shows aside)
+    varying = [k for k in SWITCHES if k not in ("learning_rate", "capacity_factor")
+               and len({str(r.get(k)) for r in rows}) > 1]
     labels = [f"{r['moe_path']}" + (f" cf {r['capacity_factor']}" if r["moe_path"] == "dense_cf" else "")
               + f" b{r['per_device_batch']}" + (f" lr {r['learning_rate']:g}" if r.get("learning_rate") else "")
+              + "".join(_switch_label(k, r.get(k)) for k in varying)
               + ("" if r["status"] == "ok" else f" ({r['status']})") for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 5.2))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2 + 0.045 * max(map(len, labels))))
     x = range(len(rows))
     axes[0].bar(x, [r["tgs"] or 0 for r in rows], color="tab:blue")
     axes[0].set_ylabel("tokens / GPU / s")

@@ -130,15 +130,25 @@ __global__ void build_weight_grad_args(const Element* lhs, const Element* d_out,
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int64_t b = i / G, g = i % G;
-  const int64_t start = offsets[b * (G + 1) + g], rows = offsets[b * (G + 1) + g + 1] - start;
+  const int32_t* off = offsets + b * (G + 1);
+  const int64_t start = off[g], rows = off[g + 1] - start;
+  // Problems go heaviest group first (slot = rank by rows, ties by index; the output stays dw[i]). Every
+  // tile of a problem runs its group's rows as the K loop, and the persistent scheduler deals tile t to
+  // CTA t mod grid: in input order, a CTA could draw several long tiles of heavy groups while others idle.
+  int64_t rank = 0;
+  for (int64_t h = 0; h < G; ++h) {
+    const int64_t other = off[h + 1] - off[h];
+    rank += other > rows || (other == rows && h < g);
+  }
+  const int64_t slot = b * G + rank;
   const int r = static_cast<int>(rows), k = static_cast<int>(K), nn = static_cast<int>(N);
-  d.shapes[i] = typename Cfg::Shape3(r > 0 ? k : 0, nn, max(r, 1));
-  d.ptr_a[i] = lhs + (b * M + start) * K;
-  d.ptr_b[i] = d_out + (b * M + start) * N;
-  d.ptr_d[i] = dw + i * K * N;
-  d.stride_a[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, make_shape(k, max(r, 1), 1));
-  d.stride_b[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, max(r, 1), 1));
-  d.stride_d[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(k, nn, 1));
+  d.shapes[slot] = typename Cfg::Shape3(r > 0 ? k : 0, nn, max(r, 1));
+  d.ptr_a[slot] = lhs + (b * M + start) * K;
+  d.ptr_b[slot] = d_out + (b * M + start) * N;
+  d.ptr_d[slot] = dw + i * K * N;
+  d.stride_a[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, make_shape(k, max(r, 1), 1));
+  d.stride_b[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, max(r, 1), 1));
+  d.stride_d[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(k, nn, 1));
 }
 
 // Zeroes dw[i] (K*N elements) of every problem i whose group is empty.
