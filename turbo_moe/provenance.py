@@ -86,15 +86,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+OUTPUT_PATHS = ("experiments/results", "experiments/figures", "experiments/runs")
+
+
 def git_info(repo: str | Path | None = None) -> dict[str, Any]:
-    """``git_commit`` (full hash, ``-dirty`` when tracked files were modified) and ``git_dirty``.
+    """``git_commit`` (full hash, ``-dirty`` when tracked files outside `OUTPUT_PATHS` were modified) and ``git_dirty``.
     ``$TURBO_MOE_GIT_COMMIT`` wins (its text is kept as given; git_dirty None)."""
     if os.environ.get("TURBO_MOE_GIT_COMMIT"):
         return {"git_commit": os.environ["TURBO_MOE_GIT_COMMIT"], "git_dirty": None}
     commit = _git(repo or _REPO, "rev-parse", "HEAD")
     if not commit:
         return {"git_commit": UNKNOWN_COMMIT, "git_dirty": None}
-    status = _git(repo or _REPO, "status", "--porcelain", "--untracked-files=no")
+    # What a sweep writes (results, figures) does not make the code dirty: otherwise every point after a
+    # sweep's first would carry "-dirty" for the first point's own table row.
+    status = _git(repo or _REPO, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                  *(f":(exclude){path}" for path in OUTPUT_PATHS))
     dirty = bool(status) if status is not None else None
     return {"git_commit": commit + ("-dirty" if dirty else ""), "git_dirty": dirty}
 

@@ -103,3 +103,20 @@ def test_provenance_imports_no_jax():
     code = "import sys, turbo_moe.provenance, turbo_moe.status; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_sweep_outputs_do_not_make_the_tree_dirty(monkeypatch, tmp_path):
+    monkeypatch.delenv("TURBO_MOE_GIT_COMMIT", raising=False)
+    git = lambda *args: subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    (tmp_path / "experiments" / "results" / "t.csv").write_text("a\n1\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    assert P.git_info(tmp_path)["git_dirty"] is False
+    (tmp_path / "experiments" / "results" / "t.csv").write_text("a\n1\n2\n")  # a sweep appended a row
+    assert P.git_info(tmp_path)["git_dirty"] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    info = P.git_info(tmp_path)
+    assert info["git_dirty"] is True and info["git_commit"].endswith("-dirty")
