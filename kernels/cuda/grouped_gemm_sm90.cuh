@@ -33,7 +33,7 @@ struct Cooperative {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-// The same tile without the cluster, for weight grads whose count of 256-wide N tiles is odd: the group
+// The same tile without the cluster, for outputs whose count of 256-wide N tiles is odd: the group
 // tile scheduler rounds each problem's N tiles up to the cluster's 2, so at N = 1280 (5 tiles, the
 // `reduced` model's d_model) a sixth of the CTAs' tiles were empty (measured 0.69-0.72x dense there
 // against 0.82-0.90x at even counts: experiments/NOTES.md, issue 14).
@@ -44,19 +44,7 @@ struct CooperativeNoCluster {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-// For forward-type products (fwd, dgrad) with an odd N-tile count: a 2x1 cluster pairs neighbouring M
-// tiles of one group and multicasts the weight tile to both, so no CTA idles on an empty N tile and each
-// fetches half the weight operand (the short-K `reduced` down product: experiments/NOTES.md, call 39).
-// Groups with an odd M-tile count leave one half-cluster empty. Weight grads keep CooperativeNoCluster:
-// their M is the weights' rows, and their K loop runs the group's rows.
-struct CooperativeClusterM {
-  using TileShape = Shape<_128, _256, _64>;
-  using ClusterShape = Shape<_2, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-
-// Whether an output N wide has an odd number of 256-wide N tiles (then no 1x2 cluster).
+// Whether an output N wide takes the cluster-free instance (an odd number of N tiles).
 inline bool odd_n_tiles(int64_t N) { return (N + 255) / 256 % 2 == 1; }
 
 // One grouped GEMM configuration: D (row-major) = A @ B, float32 accumulation, no C operand.
@@ -266,14 +254,14 @@ ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_s
 }  // namespace turbo_moe::sm90
 
 // Declares/defines the extern entry points of one element type (one .cu file per type, so the
-// heavy template instantiations compile in parallel). An output with an odd number of N tiles takes
-// the 2x1 cluster (fwd, dgrad) or no cluster (wgrad) instead of the 1x2 cluster.
+// heavy template instantiations compile in parallel). Each op picks the cluster-free instance when
+// its output has an odd number of N tiles.
 #define TURBO_MOE_SM90_INSTANCE(SUFFIX, ELEMENT)                                                   \
   namespace turbo_moe::sm90 {                                                                      \
   ffi::Error forward_##SUFFIX(const GroupedGemmArgs& a, void* s, size_t sb, int dev, cudaStream_t st) { \
     if (odd_n_tiles(a.N))                                                                          \
-      return a.transpose_rhs ? forward<ELEMENT, true, CooperativeClusterM>(a, s, sb, dev, st)      \
-                             : forward<ELEMENT, false, CooperativeClusterM>(a, s, sb, dev, st);    \
+      return a.transpose_rhs ? forward<ELEMENT, true, CooperativeNoCluster>(a, s, sb, dev, st)     \
+                             : forward<ELEMENT, false, CooperativeNoCluster>(a, s, sb, dev, st);   \
     return a.transpose_rhs ? forward<ELEMENT, true, Cooperative>(a, s, sb, dev, st)                \
                            : forward<ELEMENT, false, Cooperative>(a, s, sb, dev, st);              \
   }                                                                                                \
@@ -290,8 +278,7 @@ ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_s
                      scratch_bytes<Wgrad, ELEMENT>(n, dev)});                                      \
   }                                                                                                \
   size_t scratch_bytes_##SUFFIX(int64_t n, int dev) {                                              \
-    return std::max({scratch_bytes_of_##SUFFIX<Cooperative>(n, dev),                               \
-                     scratch_bytes_of_##SUFFIX<CooperativeNoCluster>(n, dev),                      \
-                     scratch_bytes_of_##SUFFIX<CooperativeClusterM>(n, dev)});                     \
+    return std::max(scratch_bytes_of_##SUFFIX<Cooperative>(n, dev),                                \
+                    scratch_bytes_of_##SUFFIX<CooperativeNoCluster>(n, dev));                      \
   }                                                                                                \
   }

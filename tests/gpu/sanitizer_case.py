@@ -18,8 +18,8 @@ def main():
     gpu = jax.devices("gpu")[0]
     M, K = 300, 64
     sizes = np.array([0, 120, 0, 0, 100, 0, 30], np.int32)  # empty groups; sum < M
-    # the Hopper kernel's instances for an odd N-tile count (N = 72: one N tile; 2x1 cluster for fwd and
-    # dgrad, none for wgrad) and an even one (N = 512: two, 1x2 cluster), and the portable kernel
+    # the Hopper kernel's cluster-free (N = 72: one N tile) and clustered (N = 512: two) instances, and
+    # the portable kernel
     for dtype, N in ((jnp.bfloat16, 72), (jnp.bfloat16, 512), (jnp.float32, 72)):
         lhs = jax.device_put(jnp.asarray(rng.standard_normal((M, K)), dtype), gpu)
         rhs = jax.device_put(jnp.asarray(rng.standard_normal((len(sizes), K, N)) / 8, dtype), gpu)

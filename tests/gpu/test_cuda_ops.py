@@ -35,8 +35,8 @@ GEMM_CASES = {
     "sum_below_m": (1000, 128, 64, [300, 0, 250, 150]),
     "negative_and_overflow": (1000, 96, 136, [-5, 600, 700, 3]),
     "many_small_groups": (4096, 128, 128, None),  # 256 random groups, some empty
-    # odd counts of 256-wide N tiles take the 2x1-cluster (fwd, dgrad) and cluster-free (wgrad) Hopper
-    # instances (grouped_gemm_sm90.cuh); odd counts of 128-row M tiles leave half-clusters empty
+    # odd counts of 256-wide N tiles take the cluster-free Hopper instance (grouped_gemm_sm90.cuh); the
+    # last case has K = 512 (the `reduced` down product) and odd counts of 128-row M tiles
     "five_n_tiles": (3000, 136, 1280, [1000, 0, 1536, 464]),
     "three_n_tiles_skewed": (2048, 256, 640, [1990, 0, 50, 8]),
     "five_n_tiles_odd_m_tiles": (1500, 512, 1280, [300, 0, 1, 899, 300]),
