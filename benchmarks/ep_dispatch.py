@@ -52,10 +52,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._provenance import provenance  # noqa: E402
 from turbo_moe import ops  # noqa: E402
-from turbo_moe.model.ep_exchange import default_impl, exchange_plan, ragged_exchange  # noqa: E402
 from turbo_moe.model.expert_parallel import ep_moe_path  # noqa: E402
 from turbo_moe.model.experts import ExpertWeights  # noqa: E402
 from turbo_moe.model.router import Routing  # noqa: E402
+from turbo_moe.ops.ragged_exchange import default_impl, exchange_plan, ragged_exchange  # noqa: E402
 
 SHAPES = {  # name: (tokens per rank, hidden, top_k, experts, moe_ffn_dim)
     "dsv3": (4096, 7168, 8, 256, 2048),

@@ -273,7 +273,7 @@ def test_exchange_plan_is_consistent_between_senders_and_receivers():
     senders send/address, in both directions (CPU cannot run the collective itself)."""
     from jax.sharding import PartitionSpec as P
 
-    from turbo_moe.model.ep_exchange import exchange_plan
+    from turbo_moe.ops.ragged_exchange import exchange_plan
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("expert",))
     counts = jnp.asarray(np.random.default_rng(0).integers(0, 5, size=(4, E)), jnp.int32)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from turbo_moe.model.ep_exchange import ragged_exchange, split_updates
 from turbo_moe.ops import grouped_gemm, moe_combine, moe_dispatch, permute, unpermute
+from turbo_moe.ops.ragged_exchange import ragged_exchange, split_updates
 
 H, F = 7, 5
 LAYOUTS = ("dense", "packed", "ragged")

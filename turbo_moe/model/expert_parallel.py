@@ -24,11 +24,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
-from turbo_moe.model.ep_exchange import deepep_capacity, default_impl
+from turbo_moe.model.ep_exchange import deepep_capacity
 from turbo_moe.model.experts import ExpertStats, ExpertWeights
 from turbo_moe.model.gemms import require
 from turbo_moe.model.paths import build_exchange, path_row, run_exchange
 from turbo_moe.model.router import Routing
+from turbo_moe.ops.ragged_exchange import default_impl
 from turbo_moe.ops.varying import make_varying
 
 EXPERT_AXIS = "expert"

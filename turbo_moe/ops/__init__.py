@@ -3,12 +3,15 @@
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad.
 - permute / unpermute: single-device dispatch/combine, each other's transposes.
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
+- ragged_exchange: pure JAX (no FFI), variable row counts between ranks by an ExchangePlan; the ragged
+  layout of moe_dispatch and the model's ragged EP path use it.
 """
 from turbo_moe.ops._ffi import ensure_registered, kernel_info
 from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
 from turbo_moe.ops.permute import PermuteHandle, permute
+from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
 from turbo_moe.ops.unpermute import unpermute
 
 __all__ = [
@@ -22,4 +25,6 @@ __all__ = [
     "moe_dispatch",
     "moe_combine",
     "DispatchHandle",
+    "ragged_exchange",
+    "ExchangePlan",
 ]

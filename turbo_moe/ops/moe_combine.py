@@ -13,6 +13,7 @@ from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import make_varying, varying_axes
 from turbo_moe.ops.moe_dispatch import DispatchHandle, slot_rows, sum_blocks
 from turbo_moe.ops.permute import PermuteHandle
+from turbo_moe.ops.ragged_exchange import ragged_exchange
 from turbo_moe.ops.unpermute import unpermute
 
 
@@ -35,8 +36,6 @@ def moe_combine(y, handle: DispatchHandle, *, axis_name: str):
             raise ValueError(f"y must have P*T = {P * T} rows for a dense dispatch, got {y.shape}")
         return sum_blocks(y, axis_name)  # (T, H): rows for other tokens' ranks are zero
     if handle.layout == "ragged":
-        from turbo_moe.model.ep_exchange import ragged_exchange  # lazy: turbo_moe.model imports the ops
-
         back = ragged_exchange(y, handle.plan.reversed(), P * C, axis_name, handle.impl)  # real rows only
     else:
         back = jax.lax.all_to_all(y.reshape(P, C, -1), axis_name, 0, 0)  # (P, C, H): rows for my tokens

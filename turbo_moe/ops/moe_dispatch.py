@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call, match_varying
+from turbo_moe.ops.ragged_exchange import ExchangePlan, default_impl, ragged_exchange
 from turbo_moe.ops.unpermute import unpermute_call
 
 LAYOUTS = ("auto", "dense", "packed", "ragged")
@@ -119,8 +120,6 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
     recv_ids, recv_w = exchange(send_ids), exchange(send_w)  # (P, C, k): small
     plan = None
     if layout == "ragged":
-        from turbo_moe.model.ep_exchange import default_impl, ragged_exchange  # lazy: model imports ops
-
         plan = slot_plan(counts, C, axis_name)
         impl = impl or default_impl(jax.default_backend())  # XLA:CPU has no ragged_all_to_all
         recv_x = ragged_exchange(send_x.reshape(P * C, -1), plan, P * C, axis_name, impl)
@@ -133,8 +132,6 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
 def slot_plan(counts, capacity: int, axis_name: str):
     """ExchangePlan of the ragged layout: my counts[p] real rows of block p (rows [p*C, p*C+counts[p]))
     land at block `me` of rank p; the receive buffer keeps the (P, C) slot layout of the packed one."""
-    from turbo_moe.model.ep_exchange import ExchangePlan
-
     P = counts.shape[0]
     me = jax.lax.axis_index(axis_name).astype(jnp.int32)
     blocks = jnp.arange(P, dtype=jnp.int32) * capacity  # (P,)
