@@ -118,6 +118,15 @@ _CHANGES = {
     # with centering, steps over 2.0 fell with the gate's lr (1.0: 88, 0.3: 32, 0.1: 8): a slower gate still
     "zero_unigram_lrs0.03_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 0.03, "router_center_causal": True},
     "zero_unigram_lrs0.01_prop_causal": {**_ZERO_UNIGRAM_LRS_PROP, "router_lr_scale": 0.01, "router_center_causal": True},
+    # part 10, on the causal preset: DeepSeek-V3's sequence-wise balance loss at 10x / 100x its weight (it is the
+    # gradient-side tool against one sequence sending most tokens to a few experts, the over-2.0 steps' pattern);
+    # no group limit (all 8 groups: is group-limited selection part of the tail?); a fast bias start (3e-2
+    # decaying to 1e-2 over 200 steps: a quicker recovery from the warm-up peak, where most over-2.0 steps sit)
+    "causal_bal1e-3": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "balance_loss_weight": 1e-3},
+    "causal_bal1e-2": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "balance_loss_weight": 1e-2},
+    "causal_nogroups": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "topk_groups": 8},
+    "causal_sched": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "router_bias_rate_start": 3e-2,
+                     "router_bias_rate_decay_steps": 200},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 
