@@ -127,6 +127,11 @@ _CHANGES = {
     "causal_nogroups": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "topk_groups": 8},
     "causal_sched": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "router_bias_rate_start": 3e-2,
                      "router_bias_rate_decay_steps": 200},
+    "causal_bal1e-2_sched": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "balance_loss_weight": 1e-2,
+                             "router_bias_rate_start": 3e-2, "router_bias_rate_decay_steps": 200},
+    # the causal sequence load penalty (router_seq_load_penalty, chunks of 64 tokens) at three weights
+    **{f"causal_slp{w:g}": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "router_seq_load_penalty": w}
+       for w in (0.03, 0.1, 0.3)},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 

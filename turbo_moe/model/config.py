@@ -141,6 +141,15 @@ class ModelConfig:
     # weights unchanged). Whatever every token of a sequence shares, the depth- or lr-made shared direction
     # of NOTES issue 13, leaves the choice exactly; past tokens only, so training and decoding agree.
     router_center_causal: bool = False
+    # Causal sequence load penalty on the selection (0: off): each sequence runs through top-k in chunks of
+    # `router_seq_load_chunk` tokens; a token's selection is lowered by this weight x max(share - 1, 0) per expert,
+    # share = that expert's picks by the sequence's *earlier chunks* over its fair share k/E (with a prior of
+    # SEQ_LOAD_PRIOR_TOKENS fair-share tokens; `router.seq_load_penalized_selection`). A sequence that sends most
+    # of its tokens to a few experts (repeated names and lines, the batches over T1's 2.0; NOTES, issue 13 part
+    # 10) spreads its later tokens. Stop-gradient, combine weights unchanged, past chunks only (decoding keeps the
+    # counts per sequence). Sequential over chunks: a parallel version moves alike tokens all at once (NOTES).
+    router_seq_load_penalty: float = 0.0
+    router_seq_load_chunk: int = 64
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -320,6 +329,12 @@ def _validate(c: ModelConfig) -> None:
              f"must be a number in [0, 1] (0: off), got {c.router_center_ema!r}")
     _require(isinstance(c.router_center_causal, bool), "router_center_causal",
              f"must be a bool, got {c.router_center_causal!r}")
+    _require(isinstance(c.router_seq_load_penalty, (int, float)) and not isinstance(c.router_seq_load_penalty, bool)
+             and math.isfinite(c.router_seq_load_penalty) and c.router_seq_load_penalty >= 0,
+             "router_seq_load_penalty", f"must be a finite number >= 0 (0: off), got {c.router_seq_load_penalty!r}")
+    _require(isinstance(c.router_seq_load_chunk, int) and not isinstance(c.router_seq_load_chunk, bool)
+             and c.router_seq_load_chunk > 0, "router_seq_load_chunk",
+             f"must be a positive int (tokens per chunk), got {c.router_seq_load_chunk!r}")
     _require(not (c.router_center_causal and c.router_center_ema > 0), "router_center_causal",
              f"and router_center_ema={c.router_center_ema} are two centerings of the same selection: set one")
     for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate", "router_bias_rate_start"):

@@ -99,6 +99,47 @@ def causal_centered_selection(logits: jax.Array) -> jax.Array:
     return jax.nn.sigmoid(logits - jnp.cumsum(logits, axis=1) / count)
 
 
+# Pseudo-tokens at the fair share that every sequence's counts start with (`seq_load_penalized_selection`), so
+# that the first chunk's picks do not read as a large share of a short past.
+SEQ_LOAD_PRIOR_TOKENS = 64
+
+
+def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Selection scores (B, S, E) with the causal sequence load penalty (cfg.router_seq_load_penalty).
+
+    The sequence runs through group-limited top-k (on ``selection + bias``) chunk by chunk, C =
+    cfg.router_seq_load_chunk tokens at a time. For a token of chunk j, share_e = (picks of e by chunks < j +
+    P k/E) / ((tokens in chunks < j + P) k/E), P = SEQ_LOAD_PRIOR_TOKENS (1: the fair share), and its selection
+    becomes selection - penalty * max(share_e - 1, 0). Past chunks only: causal; stop-gradient. The counts are
+    the picks made *with* the penalty, which is what splits tokens that look alike over the chunks.
+    """
+    if selection.ndim != 3:
+        raise ValueError(f"router_seq_load_penalty needs the router input as (batch, seq, d_model); got selection "
+                         f"scores of shape {selection.shape}")
+    selection = jax.lax.stop_gradient(selection).astype(jnp.float32)
+    bias = jax.lax.stop_gradient(bias)
+    b, seq, n_experts = selection.shape
+    chunk = min(cfg.router_seq_load_chunk, seq)
+    n_chunks = -(-seq // chunk)
+    pad = n_chunks * chunk - seq
+    chunks = jnp.pad(selection, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk, n_experts).swapaxes(0, 1)
+    valid = (jnp.arange(n_chunks * chunk) < seq).astype(jnp.float32).reshape(n_chunks, chunk)
+    fair = cfg.top_k / n_experts
+
+    def one_chunk(carry, inputs):
+        counts, seen = carry  # (B, E) picks so far, () tokens so far
+        sel, valid_c = inputs  # (B, C, E), (C,)
+        share = (counts + fair * SEQ_LOAD_PRIOR_TOKENS) / ((seen + SEQ_LOAD_PRIOR_TOKENS) * fair)
+        sel = sel - cfg.router_seq_load_penalty * jnp.maximum(share - 1.0, 0.0)[:, None, :]
+        ids = group_limited_topk(sel, bias, top_k=cfg.top_k, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups)
+        picks = jax.nn.one_hot(ids, n_experts, dtype=jnp.float32).sum(-2)  # (B, C, E)
+        return (counts + jnp.einsum("bce,c->be", picks, valid_c), seen + valid_c.sum()), sel
+
+    init = (jnp.zeros((b, n_experts), jnp.float32), jnp.zeros((), jnp.float32))
+    _, penalized = jax.lax.scan(one_chunk, init, (chunks, valid))
+    return penalized.swapaxes(0, 1).reshape(b, n_chunks * chunk, n_experts)[:, :seq]
+
+
 class Router(nnx.Module):
     """Gate projection (D -> E, float32 math) + the selection bias."""
 
@@ -126,6 +167,9 @@ class Router(nnx.Module):
             selection = centered_selection(x, logits, gate, self.center[...])
         elif self.cfg.router_center_causal:
             selection = causal_centered_selection(logits)
+        if self.cfg.router_seq_load_penalty > 0:
+            selection = seq_load_penalized_selection(scores if selection is None else selection, self.bias[...],
+                                                     self.cfg)
         return route(scores, self.bias[...], self.cfg, selection)
 
     def center_statistic(self, x: jax.Array, routing: Routing) -> jax.Array | None:

@@ -1,0 +1,113 @@
+"""ModelConfig.router_seq_load_penalty (issue 13, part 10): a sequence runs through top-k chunk by chunk, and a
+token's selection is lowered on the experts that the earlier chunks of its sequence over-used; causal,
+stop-gradient, off by default."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from turbo_moe.model import DeepSeekModel, get_config, lm_loss
+from turbo_moe.model.router import SEQ_LOAD_PRIOR_TOKENS, Router, route, seq_load_penalized_selection
+
+
+def _router(**overrides):
+    cfg = get_config("tiny", **overrides)
+    return cfg, Router(cfg, nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("field, value", [("router_seq_load_penalty", -0.1), ("router_seq_load_penalty", float("nan")),
+                                          ("router_seq_load_penalty", True), ("router_seq_load_chunk", 0),
+                                          ("router_seq_load_chunk", 2.5)])
+def test_bad_value_names_the_field(field, value):
+    with pytest.raises((ValueError, TypeError), match=rf"ModelConfig\.{field}"):
+        get_config("tiny", **{field: value})
+
+
+@pytest.mark.parametrize("chunk", [16, 7, 64])  # 40 tokens: padded last chunk, odd chunk, one chunk
+def test_penalty_matches_a_float64_reference(chunk):
+    # One group: the top-k of each chunk is a plain top-k, which numpy's argsort reproduces.
+    cfg = get_config("tiny", n_experts=12, top_k=3, n_groups=1, topk_groups=1, router_seq_load_penalty=0.07,
+                     router_seq_load_chunk=chunk)
+    rng = np.random.default_rng(0)
+    seq = 40
+    sel = rng.uniform(0.2, 0.8, (2, seq, 12))
+    sel[1, :, 4] += 0.5  # one expert every token of sequence 1 prefers
+    bias = rng.normal(0, 0.05, 12)
+    fair, prior = 3 / 12, SEQ_LOAD_PRIOR_TOKENS
+    expect = sel.copy()
+    for b in range(2):
+        counts, seen = np.zeros(12), 0
+        for start in range(0, seq, chunk):
+            share = (counts + fair * prior) / ((seen + prior) * fair)
+            part = sel[b, start:start + chunk] - 0.07 * np.maximum(share - 1, 0)
+            expect[b, start:start + chunk] = part
+            for row in part:
+                counts[np.argsort(-(row + bias), kind="stable")[:3]] += 1
+            seen += len(part)
+    got = seq_load_penalized_selection(jnp.asarray(sel, jnp.float32), jnp.asarray(bias, jnp.float32), cfg)
+    np.testing.assert_allclose(np.asarray(got), expect, atol=1e-6)
+    if chunk < seq:
+        assert np.abs(expect - sel).max() > 0.02  # the penalty bit on sequence 1 (else the test shows nothing)
+
+
+def test_off_by_default_and_zero_changes_nothing():
+    assert get_config("tiny").router_seq_load_penalty == 0.0
+    cfg, router = _router()
+    x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
+    ref = route(jax.nn.sigmoid(x @ router.gate()), router.bias[...], cfg)
+    np.testing.assert_array_equal(np.asarray(router(x).expert_ids), np.asarray(ref.expert_ids))
+
+
+def test_it_spreads_a_sequence_that_prefers_the_same_experts():
+    """Every token alike (a repeated line): without the penalty all take the same k experts; with it the later
+    chunks move to other experts and the busiest one carries far less; combine weights stay the picked scores."""
+    cfg, router = _router(n_groups=1, topk_groups=1)
+    tok = jax.random.normal(jax.random.key(2), (1, 1, cfg.d_model))
+    x = jnp.broadcast_to(tok, (1, 256, cfg.d_model)) + 1e-3 * jax.random.normal(jax.random.key(3), (1, 256, cfg.d_model))
+
+    def max_over_mean(ids):
+        load = np.bincount(np.asarray(ids).ravel(), minlength=cfg.n_experts)
+        return load.max() / load.mean()
+
+    plain = max_over_mean(router(x).expert_ids)
+    cfg_p, router_p = _router(n_groups=1, topk_groups=1, router_seq_load_penalty=0.5,
+                                router_seq_load_chunk=16)
+    out = router_p(x)
+    assert plain == pytest.approx(cfg.n_experts / cfg.top_k)  # all on the same k experts
+    assert max_over_mean(out.expert_ids) < 0.6 * plain
+    scores = jax.nn.sigmoid(x @ router_p.gate())
+    picked = jnp.take_along_axis(scores, out.expert_ids, axis=-1)
+    np.testing.assert_allclose(np.asarray(out.weights),
+                               np.asarray(picked / picked.sum(-1, keepdims=True) * cfg.routed_scaling_factor),
+                               rtol=1e-6)
+
+
+def test_causal_a_later_token_never_changes_an_earlier_choice():
+    cfg, router = _router(router_seq_load_penalty=0.3, router_seq_load_chunk=4, router_center_causal=True)
+    x = jax.random.normal(jax.random.key(4), (1, 24, cfg.d_model))
+    # From token 13 on (mid-chunk: tokens 12-15 are one chunk) the input changes: no earlier choice may move,
+    # token 12 included, although its chunk holds changed tokens.
+    y = x.at[:, 13:].set(jax.random.normal(jax.random.key(5), (1, 11, cfg.d_model)))
+    a, b = np.asarray(router(x).expert_ids), np.asarray(router(y).expert_ids)
+    np.testing.assert_array_equal(a[:, :13], b[:, :13])
+    assert (a[:, 13:] != b[:, 13:]).any()
+
+
+def test_needs_a_sequence_axis():
+    cfg, router = _router(router_seq_load_penalty=0.1)
+    with pytest.raises(ValueError, match="router_seq_load_penalty needs"):
+        router(jnp.ones((8, cfg.d_model)))
+
+
+def test_the_model_with_it_has_finite_nonzero_gradients():
+    cfg = get_config("tiny", router_seq_load_penalty=0.1, router_center_causal=True, n_layers=2, mtp_depth=0)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(6), (2, 17), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 16), jnp.float32)}
+    grads = nnx.jit(nnx.grad(lambda m: lm_loss(m, batch)[0]))(model)
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+    assert any(np.abs(np.asarray(g)).max() > 0 for g in leaves)
