@@ -132,6 +132,8 @@ _CHANGES = {
     # the causal sequence load penalty (router_seq_load_penalty, chunks of 64 tokens) at three weights
     **{f"causal_slp{w:g}": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "router_seq_load_penalty": w}
        for w in (0.03, 0.1, 0.3)},
+    **{f"causal_slp0.1_c{c}": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "router_seq_load_penalty": 0.1,
+                               "router_seq_load_chunk": c} for c in (128, 256)},
 }
 RECIPES = {"preset": {}, **{name: {**_DEEPSEEK, **changes} for name, changes in _CHANGES.items()}}
 

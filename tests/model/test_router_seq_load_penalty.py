@@ -111,3 +111,23 @@ def test_the_model_with_it_has_finite_nonzero_gradients():
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
     assert any(np.abs(np.asarray(g)).max() > 0 for g in leaves)
+
+
+def test_the_backward_pass_does_not_run_the_penalty_again():
+    """The router's choice is saved through remat (stack.REMAT_POLICIES): under "dots_no_batch" the compiled
+    step holds as many top-k ops as without remat (the penalty's chunk loop runs once), "full" twice as many."""
+    import re
+
+    def topk_ops(policy):
+        cfg = get_config("tiny", n_layers=2, max_seq_len=16, moe_path="dense_cf", remat_policy=policy,
+                         router_seq_load_penalty=0.1, router_seq_load_chunk=4)
+        graphdef, state = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)))
+        tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        step = jax.jit(jax.grad(lambda s, b: lm_loss(nnx.merge(graphdef, s), b)[0]))
+        return len(re.findall(r"\btopk\b|TopK|sort\(", step.lower(state, batch).compile().as_text()))
+
+    none, dots, full = topk_ops("none"), topk_ops("dots_no_batch"), topk_ops("full")
+    assert none > 8, none  # 2 routers x 4 chunks: the loop is in the program (else this test shows nothing)
+    assert dots == none, (dots, none)
+    assert full == 2 * none, (full, none)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.config import ModelConfig
 
@@ -24,6 +25,9 @@ class RouterCenter(nnx.Variable):
     """Running mean (EMA over training steps) of the router's input, per MoE layer (D,); exists only with
     cfg.router_center_ema > 0. Not an nnx.Param: no gradient; the model's forward updates it after use."""
 
+
+# `jax.ad_checkpoint.checkpoint_name` of the router's choice (expert ids), which every remat policy but "full" saves.
+ROUTER_CHOICE_NAME = "router_expert_ids"
 
 # How the selection leaves the running mean c of the router input out (benchmarks/routing_probe.py
 # --center-space): "project" (default) removes each token's component along c; "input" subtracts c.
@@ -120,24 +124,19 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
     bias = jax.lax.stop_gradient(bias)
     b, seq, n_experts = selection.shape
     chunk = min(cfg.router_seq_load_chunk, seq)
-    n_chunks = -(-seq // chunk)
-    pad = n_chunks * chunk - seq
-    chunks = jnp.pad(selection, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk, n_experts).swapaxes(0, 1)
-    valid = (jnp.arange(n_chunks * chunk) < seq).astype(jnp.float32).reshape(n_chunks, chunk)
     fair = cfg.top_k / n_experts
-
-    def one_chunk(carry, inputs):
-        counts, seen = carry  # (B, E) picks so far, () tokens so far
-        sel, valid_c = inputs  # (B, C, E), (C,)
-        share = (counts + fair * SEQ_LOAD_PRIOR_TOKENS) / ((seen + SEQ_LOAD_PRIOR_TOKENS) * fair)
-        sel = sel - cfg.router_seq_load_penalty * jnp.maximum(share - 1.0, 0.0)[:, None, :]
-        ids = group_limited_topk(sel, bias, top_k=cfg.top_k, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups)
-        picks = jax.nn.one_hot(ids, n_experts, dtype=jnp.float32).sum(-2)  # (B, C, E)
-        return (counts + jnp.einsum("bce,c->be", picks, valid_c), seen + valid_c.sum()), sel
-
-    init = (jnp.zeros((b, n_experts), jnp.float32), jnp.zeros((), jnp.float32))
-    _, penalized = jax.lax.scan(one_chunk, init, (chunks, valid))
-    return penalized.swapaxes(0, 1).reshape(b, n_chunks * chunk, n_experts)[:, :seq]
+    counts = jnp.zeros((b, n_experts), jnp.float32)  # picks by the earlier chunks of each sequence
+    out = []
+    # A Python loop, not lax.scan: every chunk's ops stay plain equations, so with the choice saved
+    # (ROUTER_CHOICE_NAME) the backward pass drops them all; a scan was recomputed there (NOTES, part 10).
+    for start in range(0, seq, chunk):
+        share = (counts + fair * SEQ_LOAD_PRIOR_TOKENS) / ((start + SEQ_LOAD_PRIOR_TOKENS) * fair)
+        sel = selection[:, start:start + chunk] - cfg.router_seq_load_penalty * jnp.maximum(share - 1.0, 0.0)[:, None]
+        out.append(sel)
+        if start + chunk < seq:
+            ids = group_limited_topk(sel, bias, top_k=cfg.top_k, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups)
+            counts = counts + jax.nn.one_hot(ids, n_experts, dtype=jnp.float32).sum((1, 2))
+    return jnp.concatenate(out, axis=1)
 
 
 class Router(nnx.Module):
@@ -170,7 +169,10 @@ class Router(nnx.Module):
         if self.cfg.router_seq_load_penalty > 0:
             selection = seq_load_penalized_selection(scores if selection is None else selection, self.bias[...],
                                                      self.cfg)
-        return route(scores, self.bias[...], self.cfg, selection)
+        routing = route(scores, self.bias[...], self.cfg, selection)
+        # Named so that the remat policies keep the choice (B x S x k int32) instead of running the top-k and
+        # its centering / penalty scan again in the backward pass (stack.REMAT_POLICIES).
+        return routing._replace(expert_ids=checkpoint_name(routing.expert_ids, ROUTER_CHOICE_NAME))
 
     def center_statistic(self, x: jax.Array, routing: Routing) -> jax.Array | None:
         """This batch's contribution to the running mean (stop-gradient, float32): the token mean of
