@@ -23,11 +23,13 @@ from _records import write_csv  # noqa: E402
 
 GIB = 2**30
 SWITCHES = ("remat_policy", "adam_mu_dtype", "cast_params_before_scan", "loss_chunk_tokens", "param_dtype",
-            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_center_causal")
+            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_center_causal",
+            "router_seq_load_penalty")
 
 
 _SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "cast_params_before_scan": "cast",
-          "loss_chunk_tokens": "chunk", "param_dtype": "params", "router_center_causal": "center"}
+          "loss_chunk_tokens": "chunk", "param_dtype": "params", "router_center_causal": "center",
+          "router_seq_load_penalty": "seqload"}
 
 
 def _switch_label(key: str, value) -> str:

@@ -149,7 +149,7 @@ class ModelConfig:
     # 10) spreads its later tokens. Stop-gradient, combine weights unchanged, past chunks only (decoding keeps the
     # counts per sequence). Sequential over chunks: a parallel version moves alike tokens all at once (NOTES).
     router_seq_load_penalty: float = 0.0
-    router_seq_load_chunk: int = 64
+    router_seq_load_chunk: int = 128
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -374,10 +374,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 proportions at ~2.07 B total / ~0.36 B active: 64 routed experts (8 groups, top-4 groups)
     # + 1 shared, top-6, MLA with q/kv LoRA and decoupled RoPE, MTP depth 1; sized for one 80 GB GPU at
     # 8 x 2048 tokens (measured memory and step time per path: experiments/NOTES.md, issue 15).
-    # Routing recipe for short, high-lr runs (NOTES, issue 13 parts 6-8; DeepSeek-V3's own: head_bias "none",
+    # Routing recipe for short, high-lr runs (NOTES, issue 13 parts 6-10; DeepSeek-V3's own: head_bias "none",
     # zero_init_out_proj False, router_lr_scale 1, router_bias_update "sign", router_bias_rate 1e-3,
-    # router_center_causal False): on Shakespeare at 4 x 1024 tokens it drops 1.5-1.8% at cf 1.25 over steps
-    # 50-400 where DeepSeek's drops 26.5%, and 5-12 of the 300 steps from 100 have a layer over 2.0 (300).
+    # router_center_causal False, router_seq_load_penalty 0): on Shakespeare at 4 x 1024 tokens no step of a
+    # 400-step run has a layer over 2.0 max/mean load and dense_cf drops 0.1-0.2% at cf 1.25 (DeepSeek's
+    # settings: every step from 100 over 2.0, 26.5% dropped; without the sequence load penalty: 2-12 steps, 1.7%).
     "reduced": dict(
         vocab_size=32768, d_model=1280, n_layers=16, n_dense_layers=1, dense_ffn_dim=3584, moe_ffn_dim=512,
         n_experts=64, n_shared_experts=1, top_k=6, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,
@@ -385,7 +386,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=64, max_seq_len=2048, mtp_depth=1, mtp_loss_weight=0.3, balance_loss_weight=1e-4,
         remat_policy="dots_no_batch", init_std=0.006,
         head_bias="unigram", zero_init_out_proj=True, router_lr_scale=0.1, router_bias_update="proportional",
-        router_bias_rate=1e-2, router_center_causal=True,
+        router_bias_rate=1e-2, router_center_causal=True, router_seq_load_penalty=0.1,
     ),
     # The public DeepSeek-V3 architecture (config.json of deepseek-ai/DeepSeek-V3).
     "deepseek_v3_671b": dict(

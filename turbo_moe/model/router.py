@@ -12,7 +12,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.config import ModelConfig
 
@@ -25,9 +24,6 @@ class RouterCenter(nnx.Variable):
     """Running mean (EMA over training steps) of the router's input, per MoE layer (D,); exists only with
     cfg.router_center_ema > 0. Not an nnx.Param: no gradient; the model's forward updates it after use."""
 
-
-# `jax.ad_checkpoint.checkpoint_name` of the router's choice (expert ids), which every remat policy but "full" saves.
-ROUTER_CHOICE_NAME = "router_expert_ids"
 
 # How the selection leaves the running mean c of the router input out (benchmarks/routing_probe.py
 # --center-space): "project" (default) removes each token's component along c; "input" subtracts c.
@@ -62,6 +58,32 @@ def group_limited_topk(
         biased = masked.reshape(biased.shape)
     _, expert_ids = jax.lax.top_k(biased, top_k)
     return expert_ids.astype(jnp.int32)
+
+
+def _top_mask(values: jax.Array, k: int) -> jax.Array:
+    """(..., n) bool: the k largest along the last axis, ties toward the lower index (jax.lax.top_k's set),
+    from pairwise comparisons: elementwise work and one reduction that XLA fuses into one kernel, no sort."""
+    n = values.shape[-1]
+    index = jnp.arange(n)
+    mine, other = values[..., :, None], values[..., None, :]
+    ahead = (other > mine) | ((other == mine) & (index[None, :] < index[:, None]))  # (..., n, n)
+    return ahead.sum(-1) < k
+
+
+def group_limited_topk_mask(
+    scores: jax.Array, bias: jax.Array, *, top_k: int, n_groups: int, topk_groups: int
+) -> jax.Array:
+    """(..., E) bool: the experts `group_limited_topk` picks (the same set, ties included), without a sort:
+    the sequence load penalty's chunk loop runs it once per chunk, where top-k kernels dominated the cost."""
+    n_experts = scores.shape[-1]
+    per_group = n_experts // n_groups
+    biased = scores + bias
+    if n_groups > 1:
+        grouped = biased.reshape(*biased.shape[:-1], n_groups, per_group)
+        group_score = jnp.where(_top_mask(grouped, min(2, per_group)), grouped, 0.0).sum(-1)  # the best two
+        keep = _top_mask(group_score, topk_groups)
+        biased = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(biased.shape)
+    return _top_mask(biased, top_k)
 
 
 def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig, selection: jax.Array | None = None) -> Routing:
@@ -127,15 +149,16 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
     fair = cfg.top_k / n_experts
     counts = jnp.zeros((b, n_experts), jnp.float32)  # picks by the earlier chunks of each sequence
     out = []
-    # A Python loop, not lax.scan: every chunk's ops stay plain equations, so with the choice saved
-    # (ROUTER_CHOICE_NAME) the backward pass drops them all; a scan was recomputed there (NOTES, part 10).
+    # A Python loop, not lax.scan: the chunks' ops stay plain equations that the backward pass, which needs
+    # none of them, drops under remat; a scan was run again there (NOTES, issue 13 part 10).
     for start in range(0, seq, chunk):
         share = (counts + fair * SEQ_LOAD_PRIOR_TOKENS) / ((start + SEQ_LOAD_PRIOR_TOKENS) * fair)
         sel = selection[:, start:start + chunk] - cfg.router_seq_load_penalty * jnp.maximum(share - 1.0, 0.0)[:, None]
         out.append(sel)
         if start + chunk < seq:
-            ids = group_limited_topk(sel, bias, top_k=cfg.top_k, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups)
-            counts = counts + jax.nn.one_hot(ids, n_experts, dtype=jnp.float32).sum((1, 2))
+            picks = group_limited_topk_mask(sel, bias, top_k=cfg.top_k, n_groups=cfg.n_groups,
+                                            topk_groups=cfg.topk_groups)
+            counts = counts + picks.sum(1, dtype=jnp.float32)
     return jnp.concatenate(out, axis=1)
 
 
@@ -169,10 +192,7 @@ class Router(nnx.Module):
         if self.cfg.router_seq_load_penalty > 0:
             selection = seq_load_penalized_selection(scores if selection is None else selection, self.bias[...],
                                                      self.cfg)
-        routing = route(scores, self.bias[...], self.cfg, selection)
-        # Named so that the remat policies keep the choice (B x S x k int32) instead of running the top-k and
-        # its centering / penalty scan again in the backward pass (stack.REMAT_POLICIES).
-        return routing._replace(expert_ids=checkpoint_name(routing.expert_ids, ROUTER_CHOICE_NAME))
+        return route(scores, self.bias[...], self.cfg, selection)
 
     def center_statistic(self, x: jax.Array, routing: Routing) -> jax.Array | None:
         """This batch's contribution to the running mean (stop-gradient, float32): the token mean of

@@ -19,7 +19,6 @@ from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, RoutedExperts
 from turbo_moe.model.layers import MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
-from turbo_moe.model.router import ROUTER_CHOICE_NAME
 from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
 
 # The routed experts' tensors the backward pass reads (named in `experts.expert_ffn`), and the cuDNN
@@ -33,21 +32,14 @@ def _cudnn_attention_outputs(prim, *_, **__) -> bool:
     return prim.name == _CUDNN_ATTENTION_FWD
 
 
-def _and_router_choice(policy):
-    """`policy` + the router's expert ids (B x S x k int32 a layer): the backward pass then never runs the
-    top-k, the causal centering or the sequence load penalty's scan again (they feed no gradient)."""
-    return jax.checkpoint_policies.save_from_both_policies(
-        policy, jax.checkpoint_policies.save_only_these_names(ROUTER_CHOICE_NAME))
-
-
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
-    "dots": _and_router_choice(jax.checkpoint_policies.checkpoint_dots),
-    "dots_no_batch": _and_router_choice(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
-    "dots_experts_attention": _and_router_choice(jax.checkpoint_policies.save_from_both_policies(
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_experts_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES), _cudnn_attention_outputs))),
+            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES), _cudnn_attention_outputs)),
 }
 
 
