@@ -26,6 +26,12 @@ def test_bad_value_names_the_field(field, value):
         get_config("tiny", **{field: value})
 
 
+def test_too_many_chunks_is_refused_naming_the_chunk():
+    with pytest.raises(ValueError, match=r"ModelConfig\.router_seq_load_chunk: 2 makes 1024 chunks.*chunk >= 32"):
+        get_config("reduced", router_seq_load_chunk=2)
+    get_config("reduced", router_seq_load_chunk=2, router_seq_load_penalty=0.0)  # off: no loop, no limit
+
+
 @pytest.mark.parametrize("chunk", [16, 7, 64])  # 40 tokens: padded last chunk, odd chunk, one chunk
 def test_penalty_matches_a_float64_reference(chunk):
     # One group: the top-k of each chunk is a plain top-k, which numpy's argsort reproduces.

@@ -20,6 +20,8 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attenti
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
+# The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.
+MAX_SEQ_LOAD_CHUNKS = 64
 
 # MaxText spellings accepted by `from_dict` (left) for our field names (right).
 MAXTEXT_ALIASES = {
@@ -335,6 +337,10 @@ def _validate(c: ModelConfig) -> None:
     _require(isinstance(c.router_seq_load_chunk, int) and not isinstance(c.router_seq_load_chunk, bool)
              and c.router_seq_load_chunk > 0, "router_seq_load_chunk",
              f"must be a positive int (tokens per chunk), got {c.router_seq_load_chunk!r}")
+    _require(c.router_seq_load_penalty == 0 or -(-c.max_seq_len // c.router_seq_load_chunk) <= MAX_SEQ_LOAD_CHUNKS,
+             "router_seq_load_chunk", f"{c.router_seq_load_chunk} makes {-(-c.max_seq_len // c.router_seq_load_chunk)} "
+             f"chunks of a {c.max_seq_len}-token sequence, each unrolled into the program; at most "
+             f"{MAX_SEQ_LOAD_CHUNKS} (chunk >= {-(-c.max_seq_len // MAX_SEQ_LOAD_CHUNKS)})")
     _require(not (c.router_center_causal and c.router_center_ema > 0), "router_center_causal",
              f"and router_center_ema={c.router_center_ema} are two centerings of the same selection: set one")
     for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate", "router_bias_rate_start"):
