@@ -148,8 +148,9 @@ class ModelConfig:
     # share = that expert's picks by the sequence's *earlier chunks* over its fair share k/E (with a prior of
     # SEQ_LOAD_PRIOR_TOKENS fair-share tokens; `router.seq_load_penalized_selection`). A sequence that sends most
     # of its tokens to a few experts (repeated names and lines, the batches over T1's 2.0; NOTES, issue 13 part
-    # 10) spreads its later tokens. Stop-gradient, combine weights unchanged, past chunks only (decoding keeps the
-    # counts per sequence). Sequential over chunks: a parallel version moves alike tokens all at once (NOTES).
+    # 10) spreads its later tokens. Stop-gradient, combine weights unchanged, past chunks only (a decoder that keeps
+    # each sequence's counts, updated at chunk boundaries, makes the same choices). Sequential over chunks: a
+    # parallel version moves alike tokens all at once (NOTES).
     router_seq_load_penalty: float = 0.0
     router_seq_load_chunk: int = 128
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
