@@ -129,9 +129,10 @@ _CHANGES = {
                      "router_bias_rate_decay_steps": 200},
     "causal_bal1e-2_sched": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "balance_loss_weight": 1e-2,
                              "router_bias_rate_start": 3e-2, "router_bias_rate_decay_steps": 200},
-    # the causal sequence load penalty (router_seq_load_penalty, chunks of 64 tokens) at three weights
-    **{f"causal_slp{w:g}": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "router_seq_load_penalty": w}
-       for w in (0.03, 0.1, 0.3)},
+    # the causal sequence load penalty (router_seq_load_penalty) at three weights, in chunks of 64 tokens (pinned:
+    # the field's default became 128 after call 43, whose records these names describe)
+    **{f"causal_slp{w:g}": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "router_seq_load_penalty": w,
+                            "router_seq_load_chunk": 64} for w in (0.03, 0.1, 0.3)},
     **{f"causal_slp0.1_c{c}": {**_ZERO_UNIGRAM_LRS_PROP, "router_center_causal": True, "router_seq_load_penalty": 0.1,
                                "router_seq_load_chunk": c} for c in (128, 256)},
 }

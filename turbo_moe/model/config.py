@@ -338,10 +338,10 @@ def _validate(c: ModelConfig) -> None:
     _require(isinstance(c.router_seq_load_chunk, int) and not isinstance(c.router_seq_load_chunk, bool)
              and c.router_seq_load_chunk > 0, "router_seq_load_chunk",
              f"must be a positive int (tokens per chunk), got {c.router_seq_load_chunk!r}")
-    _require(c.router_seq_load_penalty == 0 or -(-c.max_seq_len // c.router_seq_load_chunk) <= MAX_SEQ_LOAD_CHUNKS,
-             "router_seq_load_chunk", f"{c.router_seq_load_chunk} makes {-(-c.max_seq_len // c.router_seq_load_chunk)} "
-             f"chunks of a {c.max_seq_len}-token sequence, each unrolled into the program; at most "
-             f"{MAX_SEQ_LOAD_CHUNKS} (chunk >= {-(-c.max_seq_len // MAX_SEQ_LOAD_CHUNKS)})")
+    n_chunks = -(-c.max_seq_len // c.router_seq_load_chunk)
+    _require(c.router_seq_load_penalty == 0 or n_chunks <= MAX_SEQ_LOAD_CHUNKS, "router_seq_load_chunk",
+             f"{c.router_seq_load_chunk} makes {n_chunks} chunks of a {c.max_seq_len}-token sequence, each unrolled "
+             f"into the program; at most {MAX_SEQ_LOAD_CHUNKS} (chunk >= {-(-c.max_seq_len // MAX_SEQ_LOAD_CHUNKS)})")
     _require(not (c.router_center_causal and c.router_center_ema > 0), "router_center_causal",
              f"and router_center_ema={c.router_center_ema} are two centerings of the same selection: set one")
     for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate", "router_bias_rate_start"):
