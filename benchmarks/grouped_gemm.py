@@ -6,7 +6,7 @@ the median of many calls), the forward, dgrad and wgrad of
   pallas      jax.experimental.pallas.ops.gpu ragged_dot_mgpu / transposed_ragged_dot_mgpu,
   ragged_dot  jax.lax.ragged_dot (a few shapes only: it expands densely and is slow),
   dense       one cuBLAS GEMM with the same FLOPs (the practical ceiling),
-with the extra device memory from the compiled memory analysis (+ the FFI scratch for turbo),
+with the extra device memory from the compiled memory analysis (turbo's workspace is a result there),
 and permute/unpermute bandwidth against a device-to-device copy. Writes
 experiments/results/kernels_<device>.csv with provenance columns and prints a short table.
 
@@ -94,8 +94,6 @@ class EventTimer:
             raise RuntimeError("libturbo_moe_cuda.so not found: build turbo_moe with nvcc present")
         self.lib = ctypes.CDLL(str(path))
         self.lib.turbo_moe_bench_elapsed_ms.restype = ctypes.c_float
-        self.lib.turbo_moe_grouped_gemm_scratch_bytes.restype = ctypes.c_int64
-        self.lib.turbo_moe_grouped_gemm_scratch_bytes.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
         for name in ("turbo_moe_bench_event", "turbo_moe_bench_copy"):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(self.lib, name)), platform="CUDA")
 
@@ -193,7 +191,6 @@ def run_gemms(timer, shapes, routings, args, rows):
     key = jax.random.PRNGKey(0)
     copy_gbps = copy_bandwidth(timer, args)
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s", flush=True)
-    scratch_fn = timer.lib.turbo_moe_grouped_gemm_scratch_bytes
     for shape in shapes:
         k1, k2, k3 = jax.random.split(jax.random.fold_in(key, shape.M * shape.N + shape.G), 3)
         x = jax.random.normal(k1, (shape.M, shape.K), jnp.bfloat16)
@@ -214,12 +211,10 @@ def run_gemms(timer, shapes, routings, args, rows):
             gs = jnp.asarray(routing_sizes(routing, shape.M, shape.G))
             inputs = (x, w, dy, gs)
             for op, fn in turbo_fns().items():
-                scratch = scratch_fn(1, shape.G, 0, int(op == "wgrad")) / 2**20
                 dense = dense_rate.get(op)
                 bound = round(bound_tflops(shape, op, dense, copy_gbps), 1) if dense else ""
                 rows.append(measure(timer, fn, inputs, shape, args,
-                                    base | dict(routing=routing, op=op, impl="turbo", bound_tflops=bound),
-                                    scratch_mib=scratch))
+                                    base | dict(routing=routing, op=op, impl="turbo", bound_tflops=bound)))
             if routing in ("balanced", "skewed") and not args.skip_pallas:
                 for op, fn in pallas_fns().items():
                     rows.append(measure(timer, fn, inputs, shape, args,
@@ -235,11 +230,11 @@ def run_gemms(timer, shapes, routings, args, rows):
         del x, w, w0, dy
 
 
-def measure(timer, fn, inputs, shape, args, row, scratch_mib=0.0, reps=None):
+def measure(timer, fn, inputs, shape, args, row, reps=None):
     try:
         ms, temp = timer.time_ms(fn, inputs, args.warmup, reps or args.reps)
         return row | dict(ms=round(ms, 4), tflops=round(shape.flops / ms / 1e9, 1),
-                          extra_mib=round(temp + scratch_mib, 3), status="ok")
+                          extra_mib=round(temp, 3), status="ok")
     except Exception as e:  # a baseline that does not run on this shape is recorded, not fatal
         return row | dict(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
 

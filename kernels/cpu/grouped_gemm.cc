@@ -21,6 +21,7 @@ const GemmScratch& thread_scratch(const GemmKernels& k) {
 
 ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/,
                            bool transpose_rhs) {
   Dtype in_dt, out_dt;
   if (!to_dtype(lhs.element_type(), &in_dt) || rhs.element_type() != lhs.element_type())
@@ -68,8 +69,8 @@ ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuf
 }
 
 ffi::Error GroupedGemmWeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
-                                     ffi::Buffer<ffi::S32> group_sizes,
-                                     ffi::Result<ffi::AnyBuffer> d_rhs) {
+                                     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d_rhs,
+                                     ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/) {
   Dtype in_dt, out_dt;
   if (!to_dtype(lhs.element_type(), &in_dt) || d_out.element_type() != lhs.element_type())
     return invalid("grouped_gemm_weight_grad: lhs and d_out must share one dtype of f32/bf16/f16");
@@ -115,6 +116,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl
                                   .Arg<xla::ffi::AnyBuffer>()                 // rhs [..., G, K, N] or [..., G, N, K]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
                                   .Ret<xla::ffi::AnyBuffer>()                 // out [..., M, N]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
                                   .Attr<bool>("transpose_rhs"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,
@@ -123,4 +125,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_weight_grad, turbo_moe::Gro
                                   .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
                                   .Arg<xla::ffi::AnyBuffer>()                 // d_out [..., M, N]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
-                                  .Ret<xla::ffi::AnyBuffer>());               // d_rhs [..., G, K, N]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // d_rhs [..., G, K, N]
+                                  .Ret<xla::ffi::AnyBuffer>());               // workspace (CUDA only; may be empty)

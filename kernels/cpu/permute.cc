@@ -10,7 +10,8 @@ namespace {
 
 ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-                       ffi::Result<ffi::Buffer<ffi::S32>> row_index, int64_t num_experts) {
+                       ffi::Result<ffi::Buffer<ffi::S32>> row_index,
+                       ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/, int64_t num_experts) {
   Dtype dt;
   if (!to_dtype(x.element_type(), &dt) || x_sorted->element_type() != x.element_type())
     return invalid("permute: x must be float32/bfloat16/float16 and x_sorted the same dtype");
@@ -72,4 +73,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
                                   .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
                                   .Attr<int64_t>("num_experts"));

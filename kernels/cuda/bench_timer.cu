@@ -65,23 +65,3 @@ extern "C" float turbo_moe_bench_elapsed_ms(int start, int end) {
   if (cudaEventElapsedTime(&ms, g_events[start], g_events[end]) != cudaSuccess) return -3.f;
   return ms;
 }
-
-// Bytes of XLA scratch one grouped GEMM call takes (offset tables + Hopper argument arrays and
-// CUTLASS workspace). dtype: 0 bf16, 1 f16, 2 f32. Uses the current device.
-extern "C" int64_t turbo_moe_grouped_gemm_scratch_bytes(int64_t batch, int64_t groups, int dtype,
-                                                        int weight_grad) {
-  using namespace turbo_moe;
-  int device = 0;
-  cudaGetDevice(&device);
-  const size_t table = static_cast<size_t>(batch * (groups + 1)) * sizeof(int32_t);
-  const size_t table_padded = (table + 255) & ~size_t(255);
-  size_t total = 2 * table_padded + 256;  // + alignment slack (scratch.cuh)
-  if (dtype != 2 && sm90_available() && compute_capability_major(device) == 9) {
-    GroupedGemmArgs a{};
-    a.batch = batch;
-    a.G = groups;
-    a.in_type = a.out_type = dtype == 0 ? ffi::DataType::BF16 : ffi::DataType::F16;
-    total += sm90_scratch_bytes(a, weight_grad != 0, device);
-  }
-  return static_cast<int64_t>(total);
-}

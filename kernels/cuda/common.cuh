@@ -89,8 +89,8 @@ inline int compute_capability_major(int device) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// ---- scratch -----------------------------------------------------------------------------------
-// Bump allocator over one XLA scratch allocation, so a call needs a single Allocate.
+// ---- workspace ---------------------------------------------------------------------------------
+// Bump allocator over a call's workspace result (256-byte aligned pieces).
 struct ScratchArena {
   char* base = nullptr;
   size_t used = 0, size = 0;

@@ -2,11 +2,12 @@
 //   turbo_moe_grouped_gemm:             out[r] = lhs[r] @ rhs[g(r)]            (M,K) x (G,K,N)|(G,N,K) -> (M,N)
 //   turbo_moe_grouped_gemm_weight_grad: dw[g]  = lhs[rows_g]^T @ d_out[rows_g]  (M,K),(M,N) -> (G,K,N)
 // Same contract as kernels/cpu/grouped_gemm.cc. Group sizes stay on the device: a small kernel
-// turns them into clamped offsets in XLA scratch memory, the GEMM reads those, and rows past
-// sum(group_sizes) are zeroed on the device. Hopper + bf16/f16 runs the CUTLASS wgmma kernels;
+// turns them into clamped offsets in the call's workspace, the GEMM reads those, and rows past
+// sum(group_sizes) are zeroed on the device. The workspace is an extra result that Python sizes with
+// turbo_moe_grouped_gemm_workspace_bytes (below), not XLA scratch: scratch is per call, and a handler
+// that takes it cannot be recorded into XLA's command buffers (CUDA graphs). Hopper + bf16/f16 runs the CUTLASS wgmma kernels;
 // everything else (fp32, other GPUs, K or N not a multiple of 8) the portable kernels.
 #include "grouped_gemm.h"
-#include "scratch.cuh"
 
 namespace turbo_moe {
 namespace {
@@ -19,30 +20,45 @@ bool use_sm90(const GroupedGemmArgs& a, int device) {
          a.batch * a.G < (int64_t{1} << 31);
 }
 
-// One scratch allocation: offsets and tile prefix (batch x (G+1) int32 each), then the sm90 arrays.
-struct CallScratch {
+// The workspace: offsets and tile prefix (batch x (G+1) int32 each), then the sm90 arrays.
+struct CallWorkspace {
   int32_t* offsets = nullptr;
   int32_t* tile_prefix = nullptr;
   void* sm90 = nullptr;
   size_t sm90_bytes = 0;
 };
 
-ffi::Error allocate_scratch(ffi::ScratchAllocator& scratch, const GroupedGemmArgs& a, bool fast,
-                            bool weight_grad, int device, CallScratch* s) {
-  const size_t table = static_cast<size_t>(a.batch * (a.G + 1)) * sizeof(int32_t);
-  const size_t table_padded = (table + 255) & ~size_t(255);
-  s->sm90_bytes = fast ? sm90_scratch_bytes(a, weight_grad, device) : 0;
-  char* base = static_cast<char*>(allocate_scratch_aligned(scratch, 2 * table_padded + s->sm90_bytes));
-  if (base == nullptr) return ffi::Error::Internal("grouped_gemm: scratch allocation failed");
-  s->offsets = reinterpret_cast<int32_t*>(base);
-  s->tile_prefix = reinterpret_cast<int32_t*>(base + table_padded);
-  s->sm90 = base + 2 * table_padded;
+size_t table_bytes(int64_t batch, int64_t groups) {
+  const size_t table = static_cast<size_t>(batch * (groups + 1)) * sizeof(int32_t);
+  return (table + 255) & ~size_t(255);
+}
+
+size_t workspace_bytes(const GroupedGemmArgs& a, bool fast, bool weight_grad, int device) {
+  return 2 * table_bytes(a.batch, a.G) + (fast ? sm90_scratch_bytes(a, weight_grad, device) : 0) + 256;
+}
+
+ffi::Error carve_workspace(ffi::Result<ffi::AnyBuffer>& workspace,
+                           const GroupedGemmArgs& a, bool fast, bool weight_grad, int device, const char* what,
+                           CallWorkspace* w) {
+  const size_t need = workspace_bytes(a, fast, weight_grad, device);
+  if (workspace->size_bytes() < need)
+    return invalid(std::string(what) + ": workspace of " + std::to_string(workspace->size_bytes()) +
+                   " bytes, this call needs " + std::to_string(need) +
+                   " (turbo_moe/ops/grouped_gemm.py sizes it with turbo_moe_grouped_gemm_workspace_bytes)");
+  // 256-byte alignment for the TMA descriptors and 16-byte vectors in the sm90 arrays.
+  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  char* base = reinterpret_cast<char*>((raw + 255) & ~uintptr_t(255));
+  const size_t table = table_bytes(a.batch, a.G);
+  w->offsets = reinterpret_cast<int32_t*>(base);
+  w->tile_prefix = reinterpret_cast<int32_t*>(base + table);
+  w->sm90 = base + 2 * table;
+  w->sm90_bytes = fast ? sm90_scratch_bytes(a, weight_grad, device) : 0;
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer lhs,
-                           ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> group_sizes,
-                           ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> workspace, bool transpose_rhs) {
   if (!is_float_type(lhs.element_type()) || rhs.element_type() != lhs.element_type())
     return invalid("grouped_gemm: lhs and rhs must share one dtype of float32/bfloat16/float16");
   if (!is_float_type(out->element_type()))
@@ -74,8 +90,8 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   int device = 0;
   cudaGetDevice(&device);
   const bool fast = use_sm90(a, device);
-  CallScratch s;
-  if (auto err = allocate_scratch(scratch, a, fast, false, device, &s); err.failure()) return err;
+  CallWorkspace s;
+  if (auto err = carve_workspace(workspace, a, fast, false, device, "grouped_gemm", &s); err.failure()) return err;
   a.offsets = s.offsets;
   a.tile_prefix = s.tile_prefix;
   launch_group_offsets(group_sizes.typed_data(), a.batch, a.G, a.M, s.offsets, fast ? nullptr : s.tile_prefix,
@@ -88,9 +104,9 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   return last_cuda_error("grouped_gemm");
 }
 
-ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                                     ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
-                                     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d_rhs) {
+ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
+                                     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d_rhs,
+                                     ffi::Result<ffi::AnyBuffer> workspace) {
   if (!is_float_type(lhs.element_type()) || d_out.element_type() != lhs.element_type())
     return invalid("grouped_gemm_weight_grad: lhs and d_out must share one dtype of f32/bf16/f16");
   if (!is_float_type(d_rhs->element_type()))
@@ -120,8 +136,9 @@ ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::ScratchAllocator 
   int device = 0;
   cudaGetDevice(&device);
   const bool fast = use_sm90(a, device);
-  CallScratch s;
-  if (auto err = allocate_scratch(scratch, a, fast, true, device, &s); err.failure()) return err;
+  CallWorkspace s;
+  if (auto err = carve_workspace(workspace, a, fast, true, device, "grouped_gemm_weight_grad", &s); err.failure())
+    return err;
   a.offsets = s.offsets;
   a.tile_prefix = s.tile_prefix;
   launch_group_offsets(group_sizes.typed_data(), a.batch, a.G, a.M, s.offsets, nullptr, kSimtTileRows, stream);
@@ -134,22 +151,39 @@ ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::ScratchAllocator 
 }  // namespace
 }  // namespace turbo_moe
 
-// Not marked command-buffer compatible: they take XLA scratch memory, which is per call.
+// Command-buffer compatible: no scratch, no host synchronisation, every launch on `stream`.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
                                   .Arg<xla::ffi::AnyBuffer>()                 // rhs [..., G, K, N] or [..., G, N, K]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
                                   .Ret<xla::ffi::AnyBuffer>()                 // out [..., M, N]
-                                  .Attr<bool>("transpose_rhs"));
+                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace [..., bytes] uint8
+                                  .Attr<bool>("transpose_rhs"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
                                   .Arg<xla::ffi::AnyBuffer>()                 // d_out [..., M, N]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
-                                  .Ret<xla::ffi::AnyBuffer>());               // d_rhs [..., G, K, N]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // d_rhs [..., G, K, N]
+                                  .Ret<xla::ffi::AnyBuffer>(),                // workspace [..., bytes] uint8
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+// Workspace bytes one call takes for `batch` leading problems of `groups` groups (dtype: 0 bf16, 1 f16,
+// 2 f32), on the current device: what turbo_moe/ops/grouped_gemm.py gives each call.
+extern "C" int64_t turbo_moe_grouped_gemm_workspace_bytes(int64_t batch, int64_t groups, int dtype,
+                                                          int weight_grad) {
+  using namespace turbo_moe;
+  int device = 0;
+  cudaGetDevice(&device);
+  GroupedGemmArgs a{};
+  a.batch = batch;
+  a.G = groups;
+  a.in_type = a.out_type = dtype == 0 ? ffi::DataType::BF16 : dtype == 1 ? ffi::DataType::F16 : ffi::DataType::F32;
+  const bool fast = dtype != 2 && sm90_available() && compute_capability_major(device) == 9;
+  return static_cast<int64_t>(workspace_bytes(a, fast, weight_grad != 0, device));
+}

@@ -8,15 +8,19 @@
 //      per bucket; group sizes are differences of that scan;
 //   3. per chunk, one warp ranks its slots in order (warp match) -> row_index;
 //   4. one warp per slot copies the token's row; rows past the valid total are zero-filled.
+// The counts live in a workspace result that Python sizes with turbo_moe_permute_workspace_bytes (not
+// XLA scratch, which is per call and keeps a handler out of XLA's command buffers).
 #include "block_scan.cuh"
 #include "common.cuh"
-#include "scratch.cuh"
 #include "row_copy.cuh"
 
 namespace turbo_moe {
 namespace {
 
 constexpr int kChunk = 2048;  // slots per chunk (steps 1 and 3)
+
+// int32 counts per batch element: (E + 1) buckets x chunks, + the total.
+int64_t count_table_size(int64_t slots, int64_t E) { return (E + 1) * ceil_div(slots, kChunk) + 1; }
 
 __device__ __forceinline__ int64_t ceil_div_device(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -108,10 +112,10 @@ __global__ void gather_rows_kernel(const char* x, const int32_t* row_index, char
   for (int64_t i = lane; i < n; i += 32) dst[i] = src[i];
 }
 
-ffi::Error PermuteImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                       ffi::Buffer<ffi::S32> expert_ids, ffi::Result<ffi::AnyBuffer> x_sorted,
-                       ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-                       ffi::Result<ffi::Buffer<ffi::S32>> row_index, int64_t num_experts) {
+ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
+                       ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                       ffi::Result<ffi::Buffer<ffi::S32>> row_index, ffi::Result<ffi::AnyBuffer> workspace,
+                       int64_t num_experts) {
   if (!is_float_type(x.element_type()) || x_sorted->element_type() != x.element_type())
     return invalid("permute: x must be float32/bfloat16/float16 and x_sorted the same dtype");
   auto xd = x.dimensions(), id = expert_ids.dimensions();
@@ -130,9 +134,12 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
     return last_cuda_error("permute");
   }
   const int64_t row_bytes = H * byte_width(x.element_type());
-  const int64_t chunks = ceil_div(slots, kChunk), table = (E + 1) * chunks + 1;
-  int32_t* counts = static_cast<int32_t*>(allocate_scratch_aligned(scratch, batch * table * sizeof(int32_t)));
-  if (counts == nullptr) return ffi::Error::Internal("permute: scratch allocation failed");
+  const int64_t chunks = ceil_div(slots, kChunk), table = count_table_size(slots, E);
+  const size_t need = static_cast<size_t>(batch * table) * sizeof(int32_t);
+  if (workspace->size_bytes() < need)
+    return invalid("permute: workspace of " + std::to_string(workspace->size_bytes()) + " bytes, this call needs " +
+                   std::to_string(need) + " (turbo_moe/ops/permute.py sizes it with turbo_moe_permute_workspace_bytes)");
+  int32_t* counts = static_cast<int32_t*>(workspace->untyped_data());
   const int32_t* ids = expert_ids.typed_data();
   int32_t* rows = row_index->typed_data();
 
@@ -160,14 +167,20 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
 }  // namespace
 }  // namespace turbo_moe
 
-// Not marked command-buffer compatible: it takes XLA scratch memory, which is per call.
+// Command-buffer compatible: no scratch, no host synchronisation, every launch on `stream`.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., T, k]
                                   .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Attr<int64_t>("num_experts"));
+                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace [..., bytes] uint8
+                                  .Attr<int64_t>("num_experts"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+// Workspace bytes of one permute call over `batch` leading problems of `slots` = T * k copies and E experts.
+extern "C" int64_t turbo_moe_permute_workspace_bytes(int64_t batch, int64_t slots, int64_t num_experts) {
+  return batch * turbo_moe::count_table_size(slots, num_experts) * static_cast<int64_t>(sizeof(int32_t));
+}

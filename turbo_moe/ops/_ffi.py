@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from turbo_moe.ops.varying import make_varying, match_varying, varying_axes  # noqa: F401  (the ops use them)
 
@@ -123,6 +124,29 @@ def kernel_info() -> dict[str, str | None]:
         has = _cuda_has_sm90(Path(cuda))
         info["grouped_gemm"] = {True: "cuda_sm90", False: "cuda_portable", None: "cuda_unknown"}[has]
     return info
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_workspace_counter(name: str):
+    """The CUDA library's ``int64 name(int64...)`` that sizes a handler's workspace; None without a CUDA library."""
+    cuda = ensure_registered().get("CUDA")
+    if cuda is None:
+        return None
+    fn = getattr(ctypes.CDLL(cuda), name, None)
+    if fn is None:
+        raise RuntimeError(f"{cuda} does not export {name}: it predates the workspace results; rebuild turbo_moe")
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+def workspace(counter: str, *sizes: int, batch: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
+    """The uint8 workspace result of a CUDA handler (empty where no CUDA library is registered: the CPU
+    handlers take the same result and ignore it). A result, not XLA scratch, so that the handler can sit in
+    XLA's command buffers. `sizes` describe one problem; leading `batch` dims (and vmap's) multiply it, which
+    covers a batched call's need (the counts are linear in the problems, rounded up per problem)."""
+    fn = _cuda_workspace_counter(counter)
+    n = 0 if fn is None else int(fn(*(ctypes.c_int64(v) for v in sizes)))
+    return jax.ShapeDtypeStruct(tuple(batch) + (n,), jnp.uint8)
 
 
 def ffi_call(target: str, result_shape_dtypes: Any, *args: Any, **attrs: Any) -> Any:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
-from turbo_moe.ops._ffi import ffi_call, match_varying
+from turbo_moe.ops._ffi import ffi_call, match_varying, workspace
 
 
 def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, preferred_element_type=None,
@@ -72,16 +72,27 @@ def grouped_gemm_weight_grad(lhs, d_out, group_sizes, *, preferred_element_type=
                              jnp.dtype(out_dtype))
 
 
+# The workspace counter's dtype codes (kernels/cuda/grouped_gemm.cu).
+_DTYPE_CODE = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.float32): 2}
+
+
+def _workspace(group_sizes, dtype, weight_grad):
+    return workspace("turbo_moe_grouped_gemm_workspace_bytes", 1, group_sizes.shape[-1], _DTYPE_CODE[jnp.dtype(dtype)],
+                     int(weight_grad), batch=group_sizes.shape[:-1])
+
+
 def _gemm_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     out = jax.ShapeDtypeStruct(lhs.shape[:-1] + (n,), out_dtype)
-    return ffi_call("turbo_moe_grouped_gemm", out, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+    ws = _workspace(group_sizes, lhs.dtype, False)
+    return ffi_call("turbo_moe_grouped_gemm", (out, ws), lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)[0]
 
 
 def _weight_grad_call(lhs, d_out, group_sizes, out_dtype):
     G, K, N = group_sizes.shape[-1], lhs.shape[-1], d_out.shape[-1]
     out = jax.ShapeDtypeStruct(lhs.shape[:-2] + (G, K, N), out_dtype)
-    return ffi_call("turbo_moe_grouped_gemm_weight_grad", out, lhs, d_out, group_sizes)
+    ws = _workspace(group_sizes, lhs.dtype, True)
+    return ffi_call("turbo_moe_grouped_gemm_weight_grad", (out, ws), lhs, d_out, group_sizes)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

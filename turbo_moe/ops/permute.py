@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
-from turbo_moe.ops._ffi import ffi_call, match_varying
+from turbo_moe.ops._ffi import ffi_call, match_varying, workspace
 
 
 class PermuteHandle(NamedTuple):
@@ -54,8 +54,9 @@ def _permute_call(x, expert_ids, num_experts):
         jax.ShapeDtypeStruct(batch + (T * k, x.shape[-1]), x.dtype),
         jax.ShapeDtypeStruct(batch + (num_experts,), jnp.int32),
         jax.ShapeDtypeStruct(batch + (T, k), jnp.int32),
+        workspace("turbo_moe_permute_workspace_bytes", 1, T * k, num_experts, batch=batch),
     )
-    return ffi_call("turbo_moe_permute", out, x, expert_ids, num_experts=num_experts)
+    return ffi_call("turbo_moe_permute", out, x, expert_ids, num_experts=num_experts)[:3]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
