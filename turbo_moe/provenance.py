@@ -8,7 +8,8 @@
 Fields (``FIELDS``): device_kind, device_count, local_device_count, process_count, platform, cpu,
 grouped_gemm (which CUDA grouped GEMM the library holds, see `turbo_moe.ops.kernel_info`),
 jax_version, jaxlib_version, flax_version, optax_version, python_version, git_commit (the full hash,
-``-dirty`` appended when tracked files differ from it), git_dirty, hostname, date (UTC, ISO seconds).
+``-dirty`` appended when tracked files differ from it), git_dirty, hostname, date (UTC, ISO seconds),
+xla_flags (``$XLA_FLAGS`` as the process saw it, None when unset: flags change what XLA compiles).
 Results tables keep the ``TABLE_COLUMNS`` subset. ``$TURBO_MOE_GIT_COMMIT`` names the commit where the
 tree is a copy without ``.git`` (the GPU machine). Standard library only until ``collect()`` asks jax.
 """
@@ -29,7 +30,7 @@ DEVICE_FIELDS = ("device_kind", "device_count", "local_device_count", "process_c
                  "grouped_gemm")
 PACKAGES = ("jax", "jaxlib", "flax", "optax")
 FIELDS = (*DEVICE_FIELDS, "cpu", *(f"{p}_version" for p in PACKAGES), "python_version", "git_commit",
-          "git_dirty", "hostname", "date")
+          "git_dirty", "hostname", "date", "xla_flags")
 # The columns every results table carries (sweeps, benchmarks).
 TABLE_COLUMNS = ("device_kind", "device_count", "platform", "jax_version", "git_commit", "date")
 # Spellings of earlier tables (benchmarks/grouped_gemm.py wrote device/jax/commit before the schema).
@@ -49,6 +50,7 @@ def collect(*, devices: bool = True) -> dict[str, Any]:
     out.update(git_info())
     out["hostname"] = socket.gethostname()
     out["date"] = now()
+    out["xla_flags"] = os.environ.get("XLA_FLAGS")
     return out
 
 
