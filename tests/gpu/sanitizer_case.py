@@ -48,6 +48,15 @@ def main():
     print("unpermute max err:", float(np.abs(np.asarray(y, np.float64) - ref.unpermute(ex, er, np.asarray(w))).max()),
           "bwd finite:", bool(np.isfinite(np.asarray(d_y, np.float32)).all() and np.isfinite(np.asarray(d_w)).all()))
 
+    # router_topk: both kernels (penalty: a block per sequence over chunks, the last one partial; none: a grid)
+    sel = rng.uniform(0, 1, (2, 45, 64)).astype(np.float32)
+    bias = rng.normal(0, 0.05, 64).astype(np.float32)
+    for penalty in (0.1, 0.0):
+        got = [np.asarray(ops.router_topk(jax.device_put(jnp.asarray(sel), dev), jax.device_put(jnp.asarray(bias), dev),
+                                          top_k=6, n_groups=8, topk_groups=4, penalty=penalty, chunk=16))
+               for dev in (gpu, jax.devices("cpu")[0])]
+        print(f"router_topk penalty {penalty} equals the CPU handler:", np.array_equal(*got))
+
 
 if __name__ == "__main__":
     main()

@@ -155,3 +155,27 @@ def test_presets():
     assert get_config("reduced").router_seq_load_penalty == 0.1  # the issue-13 routing recipe (NOTES part 10)
     assert get_config("deepseek_v3_671b").router_seq_load_penalty == 0.0  # DeepSeek-V3's published router
     assert get_config("tiny").router_seq_load_penalty == 0.0
+
+
+def test_router_topk_impl_is_validated():
+    with pytest.raises(ValueError, match=r"ModelConfig\.router_topk_impl.*'xla', 'kernel'"):
+        get_config("tiny", router_topk_impl="cuda")
+    assert get_config("reduced").router_topk_impl == "xla"
+
+
+@pytest.mark.parametrize("penalty, causal", [(0.1, True), (0.0, False)])
+def test_the_kernel_impl_gives_the_xla_loss_and_gradients(penalty, causal):
+    """router_topk_impl="kernel" (turbo_moe.ops.router_topk) picks what the XLA path picks: same loss, same grads."""
+    def loss_and_grads(impl):
+        cfg = get_config("tiny", router_seq_load_penalty=penalty, router_seq_load_chunk=4, router_center_causal=causal,
+                         n_layers=2, router_topk_impl=impl)
+        model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+        tokens = jax.random.randint(jax.random.key(7), (2, 25), 0, cfg.vocab_size)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 24), jnp.float32)}
+        loss, grads = nnx.jit(nnx.value_and_grad(lambda m: lm_loss(m, batch)[0]))(model)
+        return loss, jax.tree.leaves(nnx.state(grads, nnx.Param))
+
+    (loss_x, grads_x), (loss_k, grads_k) = loss_and_grads("xla"), loss_and_grads("kernel")
+    np.testing.assert_allclose(float(loss_k), float(loss_x), rtol=1e-6)
+    for a, b in zip(grads_k, grads_x):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

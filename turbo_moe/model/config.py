@@ -18,6 +18,7 @@ COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attention")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ROUTER_TOPK_IMPLS = ("xla", "kernel")
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
 # The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.
@@ -153,6 +154,9 @@ class ModelConfig:
     # parallel version moves alike tokens all at once (NOTES).
     router_seq_load_penalty: float = 0.0
     router_seq_load_chunk: int = 128
+    # Who picks the experts: "xla" (jnp: group-limited top-k, the penalty's chunk loop unrolled) or "kernel"
+    # (turbo_moe.ops.router_topk: one FFI call, the penalty fused in; the same picks, the same combine weights).
+    router_topk_impl: str = "xla"
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -309,6 +313,8 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
     _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
              f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+    _require(c.router_topk_impl in ROUTER_TOPK_IMPLS, "router_topk_impl",
+             f"got {c.router_topk_impl!r}; expected one of {ROUTER_TOPK_IMPLS}")
     _require(c.head_bias in HEAD_BIASES, "head_bias", f"got {c.head_bias!r}; expected one of {HEAD_BIASES}")
     _require(c.router_bias_update in ROUTER_BIAS_UPDATES, "router_bias_update",
              f"got {c.router_bias_update!r}; expected one of {ROUTER_BIAS_UPDATES}")

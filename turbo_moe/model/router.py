@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.ops.router_topk import SEQ_LOAD_PRIOR_TOKENS, router_topk
 
 
 class RouterBias(nnx.Variable):
@@ -86,13 +87,16 @@ def group_limited_topk_mask(
     return _top_mask(biased, top_k)
 
 
-def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig, selection: jax.Array | None = None) -> Routing:
+def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig, selection: jax.Array | None = None,
+          expert_ids: jax.Array | None = None) -> Routing:
     """Pure routing from sigmoid scores (..., E) float32 and bias (E,). `selection` (..., E), if given,
-    replaces `scores` in the top-k choice only (the combine weights are always the picked `scores`)."""
-    select = scores if selection is None else jax.lax.stop_gradient(selection)
-    expert_ids = group_limited_topk(
-        select, jax.lax.stop_gradient(bias), top_k=cfg.top_k, n_groups=cfg.n_groups,
-        topk_groups=cfg.topk_groups)
+    replaces `scores` in the top-k choice only (the combine weights are always the picked `scores`).
+    `expert_ids` (..., k), if given, are the picks already made (`kernel_expert_ids`)."""
+    if expert_ids is None:
+        select = scores if selection is None else jax.lax.stop_gradient(selection)
+        expert_ids = group_limited_topk(
+            select, jax.lax.stop_gradient(bias), top_k=cfg.top_k, n_groups=cfg.n_groups,
+            topk_groups=cfg.topk_groups)
     picked = jnp.take_along_axis(scores, expert_ids, axis=-1)  # (..., k)
     weights = picked / (picked.sum(-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     return Routing(expert_ids=expert_ids, weights=weights, scores=scores)
@@ -125,9 +129,15 @@ def causal_centered_selection(logits: jax.Array) -> jax.Array:
     return jax.nn.sigmoid(logits - jnp.cumsum(logits, axis=1) / count)
 
 
-# Pseudo-tokens at the fair share that every sequence's counts start with (`seq_load_penalized_selection`), so
-# that the first chunk's picks do not read as a large share of a short past.
-SEQ_LOAD_PRIOR_TOKENS = 64
+# SEQ_LOAD_PRIOR_TOKENS (imported from turbo_moe.ops.router_topk, its owner): pseudo-tokens at the fair share
+# that every sequence's counts start with (`seq_load_penalized_selection`), so that the first chunk's picks do
+# not read as a large share of a short past.
+
+
+def _needs_sequence_axis(selection: jax.Array) -> None:
+    if selection.ndim != 3:
+        raise ValueError(f"router_seq_load_penalty needs the router input as (batch, seq, d_model); got selection "
+                         f"scores of shape {selection.shape}")
 
 
 def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -139,9 +149,7 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
     becomes selection - penalty * max(share_e - 1, 0). Past chunks only: causal; stop-gradient. The counts are
     the picks made *with* the penalty, which is what splits tokens that look alike over the chunks.
     """
-    if selection.ndim != 3:
-        raise ValueError(f"router_seq_load_penalty needs the router input as (batch, seq, d_model); got selection "
-                         f"scores of shape {selection.shape}")
+    _needs_sequence_axis(selection)
     selection = jax.lax.stop_gradient(selection).astype(jnp.float32)
     bias = jax.lax.stop_gradient(bias)
     b, seq, n_experts = selection.shape
@@ -160,6 +168,20 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
                                             topk_groups=cfg.topk_groups)
             counts = counts + picks.sum(1, dtype=jnp.float32)
     return jnp.concatenate(out, axis=1)
+
+
+def kernel_expert_ids(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Expert ids (..., k) int32 from the router_topk kernel (cfg.router_topk_impl == "kernel"): the picks of
+    `group_limited_topk` on `selection` (..., E), or with the sequence load penalty on
+    `seq_load_penalized_selection(selection)` ((B, S, E) then), in one call."""
+    penalty = float(cfg.router_seq_load_penalty)
+    if penalty > 0:
+        _needs_sequence_axis(selection)
+    lead = selection.shape[:-1]
+    rows = selection.reshape(1, -1, selection.shape[-1]) if penalty == 0 else selection  # no sequence axis needed
+    ids = router_topk(rows.astype(jnp.float32), bias.astype(jnp.float32), top_k=cfg.top_k, n_groups=cfg.n_groups,
+                      topk_groups=cfg.topk_groups, penalty=penalty, chunk=cfg.router_seq_load_chunk)
+    return ids.reshape(*lead, cfg.top_k)
 
 
 class Router(nnx.Module):
@@ -189,6 +211,9 @@ class Router(nnx.Module):
             selection = centered_selection(x, logits, gate, self.center[...])
         elif self.cfg.router_center_causal:
             selection = causal_centered_selection(logits)
+        if self.cfg.router_topk_impl == "kernel":
+            expert_ids = kernel_expert_ids(scores if selection is None else selection, self.bias[...], self.cfg)
+            return route(scores, self.bias[...], self.cfg, expert_ids=expert_ids)
         if self.cfg.router_seq_load_penalty > 0:
             selection = seq_load_penalized_selection(scores if selection is None else selection, self.bias[...],
                                                      self.cfg)

@@ -3,6 +3,7 @@
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad.
 - permute / unpermute: single-device dispatch/combine, each other's transposes.
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
+- router_topk: the router's group-limited top-k with the causal sequence load penalty fused in.
 - ragged_exchange: pure JAX (no FFI), variable row counts between ranks by an ExchangePlan; the ragged
   layout of moe_dispatch and the model's ragged EP path use it.
 """
@@ -12,6 +13,7 @@ from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
 from turbo_moe.ops.permute import PermuteHandle, permute
 from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
+from turbo_moe.ops.router_topk import router_topk
 from turbo_moe.ops.unpermute import unpermute
 
 __all__ = [
@@ -27,4 +29,5 @@ __all__ = [
     "DispatchHandle",
     "ragged_exchange",
     "ExchangePlan",
+    "router_topk",
 ]

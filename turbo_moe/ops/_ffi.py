@@ -26,6 +26,7 @@ TARGETS = (
     "turbo_moe_unpermute",
     "turbo_moe_unpermute_bwd",
     "turbo_moe_dispatch_pack",
+    "turbo_moe_router_topk",
 )
 CPU_LIBRARY = "libturbo_moe_cpu.so"
 CUDA_LIBRARY = "libturbo_moe_cuda.so"

@@ -1,0 +1,178 @@
+// CUDA FFI handler of the router's expert choice (contract of kernels/cpu/router_topk.cc):
+//   turbo_moe_router_topk: selection (B, S, E) f32, bias (E,) f32 -> expert_ids (B, S, k) int32
+// DeepSeek-V3 group-limited top-k on `selection - penalty * max(share - 1, 0) + bias`, share from the
+// picks of the earlier chunks of the token's sequence. One thread per token, the same float32
+// arithmetic as the CPU handler (explicit __f*_rn intrinsics: nvcc must not contract them).
+//   penalty > 0: one block per sequence walks its chunks in order, counts and penalties in shared
+//     memory; the tokens of a chunk are independent and run in parallel.
+//   penalty == 0 (or one chunk): no dependence, a grid over all tokens.
+// Limits (checked here and in turbo_moe/ops/router_topk.py): E <= 4096 (three E-vectors in 48 KB of
+// shared memory), n_groups <= 64 (a 64-bit mask of kept groups), top_k <= 32 (per-thread arrays).
+// Values are read again from global memory rather than held: L1 serves the repeats.
+#include <cmath>
+
+#include "common.cuh"
+
+namespace turbo_moe {
+namespace {
+
+constexpr int64_t kMaxExperts = 4096, kMaxGroups = 64, kMaxTopK = 32;
+
+// a ranks before b: larger value, ties to the lower index (jax.lax.top_k's order).
+__device__ __forceinline__ bool ahead(float va, int ia, float vb, int ib) {
+  return va > vb || (va == vb && ia < ib);
+}
+
+// Writes the group-limited top-k of the E values value(e) to ids[0:k], best first.
+template <typename Value>
+__device__ void select_token(const Value& value, int E, int n_groups, int topk_groups, int k, int32_t* ids) {
+  const int per = E / n_groups;
+  uint64_t kept = ~uint64_t{0};
+  if (topk_groups < n_groups) {
+    float score[kMaxGroups];  // the sum of each group's two best values
+    for (int g = 0; g < n_groups; ++g) {
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (int e = g * per; e < (g + 1) * per; ++e) {
+        const float v = value(e);
+        if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+      }
+      score[g] = per == 1 ? b1 : __fadd_rn(b1, b2);
+    }
+    kept = 0;
+    for (int r = 0; r < topk_groups; ++r) {
+      int best = -1;
+      for (int g = 0; g < n_groups; ++g)
+        if (!((kept >> g) & 1) && (best < 0 || ahead(score[g], g, score[best], best))) best = g;
+      kept |= uint64_t{1} << best;
+    }
+  }
+  float top[kMaxTopK];
+  int idx[kMaxTopK];
+  int filled = 0;  // insertion into the sorted list (top, idx): experts arrive in index order
+  for (int e = 0; e < E; ++e) {
+    if (!((kept >> (e / per)) & 1)) continue;
+    const float v = value(e);
+    if (filled == k && !ahead(v, e, top[k - 1], idx[k - 1])) continue;
+    int j = filled < k ? filled++ : k - 1;
+    for (; j > 0 && ahead(v, e, top[j - 1], idx[j - 1]); --j) { top[j] = top[j - 1]; idx[j] = idx[j - 1]; }
+    top[j] = v;
+    idx[j] = e;
+  }
+  for (int j = 0; j < k; ++j) ids[j] = idx[j];
+}
+
+struct Shape {
+  int64_t B, S, E, sequences;
+  int n_groups, topk_groups, k;
+};
+
+// No chunk dependence: thread per token over the whole (sequences * S) grid.
+__global__ void plain_kernel(const float* __restrict__ sel, const float* __restrict__ bias, int32_t* ids,
+                             Shape s) {
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (token >= s.sequences * s.S) return;
+  const float* x = sel + token * s.E;
+  const float* b = bias + (token / s.S / s.B) * s.E;  // each vmap element has its own bias
+  auto value = [&](int e) { return __fadd_rn(x[e], __ldg(b + e)); };
+  select_token(value, static_cast<int>(s.E), s.n_groups, s.topk_groups, s.k, ids + token * s.k);
+}
+
+// One block per sequence, chunk after chunk. The float32 steps are those of the CPU handler's
+// ChunkPenalty (XLA:CPU's program: the constant division as a reciprocal multiply fused with "- 1").
+__global__ void penalized_kernel(const float* __restrict__ sel, const float* __restrict__ bias, int32_t* ids,
+                                 Shape s, float penalty, int64_t chunk, int64_t prior) {
+  extern __shared__ float smem[];
+  float* b = smem;                                         // E: this sequence's bias
+  float* pen = smem + s.E;                                 // E: this chunk's penalty per expert
+  int* counts = reinterpret_cast<int*>(smem + 2 * s.E);   // E: picks by the earlier chunks
+  const int64_t seq = blockIdx.x;
+  for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
+    b[e] = bias[(seq / s.B) * s.E + e];
+    pen[e] = 0.0f;
+    counts[e] = 0;
+  }
+  __syncthreads();
+  const double fair = static_cast<double>(s.k) / static_cast<double>(s.E);
+  const float c1 = static_cast<float>(fair * static_cast<double>(prior));
+  for (int64_t start = 0; start < s.S; start += chunk) {
+    if (start > 0) {  // the first chunk has no past: share is the prior, exactly 1
+      const float rcp = __fdiv_rn(1.0f, static_cast<float>(static_cast<double>(start + prior) * fair));
+      for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
+        const float excess = fmaxf(__fmaf_rn(__fadd_rn(static_cast<float>(counts[e]), c1), rcp, -1.0f), 0.0f);
+        pen[e] = __fmul_rn(penalty, excess);
+      }
+      __syncthreads();
+    }
+    const int64_t end = min64(s.S, start + chunk);
+    for (int64_t t = start + threadIdx.x; t < end; t += blockDim.x) {
+      const float* x = sel + (seq * s.S + t) * s.E;
+      auto value = [&](int e) { return __fadd_rn(__fsub_rn(x[e], pen[e]), b[e]); };
+      int32_t* out = ids + (seq * s.S + t) * s.k;
+      select_token(value, static_cast<int>(s.E), s.n_groups, s.topk_groups, s.k, out);
+      for (int j = 0; j < s.k; ++j) atomicAdd(&counts[out[j]], 1);
+    }
+    __syncthreads();  // counts complete, pen free to overwrite
+  }
+}
+
+ffi::Error RouterTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> selection, ffi::Buffer<ffi::F32> bias,
+                          ffi::Result<ffi::Buffer<ffi::S32>> expert_ids, int64_t top_k, int64_t n_groups,
+                          int64_t topk_groups, float penalty, int64_t chunk, int64_t prior_tokens) {
+  auto sd = selection.dimensions(), bd = bias.dimensions(), od = expert_ids->dimensions();
+  const int64_t rank = sd.size();
+  if (rank < 3 || static_cast<int64_t>(bd.size()) != rank - 2 || static_cast<int64_t>(od.size()) != rank)
+    return invalid("router_topk: expected selection [..., B, S, E], bias [..., E], expert_ids [..., B, S, k]");
+  const int64_t B = sd[rank - 3], S = sd[rank - 2], E = sd[rank - 1], k = top_k;
+  for (int64_t i = 0; i + 1 < static_cast<int64_t>(bd.size()); ++i)
+    if (bd[i] != sd[i]) return invalid("router_topk: bias must share selection's leading (vmap) dims");
+  if (bd[bd.size() - 1] != E) return invalid("router_topk: bias must have E entries like selection's last dim");
+  if (od[rank - 3] != B || od[rank - 2] != S || od[rank - 1] != k)
+    return invalid("router_topk: expert_ids must be [..., B, S, top_k]");
+  if (E <= 0 || E > kMaxExperts) return invalid("router_topk: the number of experts must be in [1, 4096] on CUDA");
+  if (n_groups <= 0 || n_groups > kMaxGroups || E % n_groups != 0)
+    return invalid("router_topk: n_groups must be in [1, 64] and divide the number of experts");
+  if (topk_groups <= 0 || topk_groups > n_groups) return invalid("router_topk: topk_groups must be in [1, n_groups]");
+  if (k <= 0 || k > kMaxTopK || k > topk_groups * (E / n_groups))
+    return invalid("router_topk: top_k must be in [1, min(32, experts of the topk_groups kept groups)]");
+  if (!(penalty >= 0.0f) || !isfinite(penalty)) return invalid("router_topk: penalty must be finite and >= 0");
+  if (chunk <= 0 || prior_tokens <= 0) return invalid("router_topk: chunk and prior_tokens must be positive");
+
+  const int64_t sequences = leading_product(sd, 2);
+  if (sequences == 0 || S == 0) return ffi::Error::Success();
+  const Shape shape{B, S, E, sequences, static_cast<int>(n_groups), static_cast<int>(topk_groups),
+                    static_cast<int>(k)};
+  const float* sel_p = selection.typed_data();
+  const float* bias_p = bias.typed_data();
+  int32_t* ids_p = expert_ids->typed_data();
+  if (penalty > 0.0f && chunk < S) {
+    if (sequences > INT32_MAX) return invalid("router_topk: too many sequences for one grid");
+    // Threads: the chunk's tokens (each block walks one sequence; a chunk is its unit of parallel work).
+    const int threads = static_cast<int>(std::min<int64_t>(256, ceil_div(chunk, 32) * 32));
+    const size_t smem = 3 * E * sizeof(float);
+    penalized_kernel<<<static_cast<unsigned>(sequences), threads, smem, stream>>>(
+        sel_p, bias_p, ids_p, shape, penalty, chunk, prior_tokens);
+  } else {
+    const int64_t blocks = ceil_div(sequences * S, 128);
+    if (blocks > INT32_MAX) return invalid("router_topk: too many tokens for one grid");
+    plain_kernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(sel_p, bias_p, ids_p, shape);
+  }
+  return last_cuda_error("router_topk");
+}
+
+}  // namespace
+}  // namespace turbo_moe
+
+// Command-buffer compatible: no scratch memory, no host sync, launch shapes fixed by the operand shapes.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_router_topk, turbo_moe::RouterTopkImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // selection [..., B, S, E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // bias [..., E]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., B, S, k]
+                                  .Attr<int64_t>("top_k")
+                                  .Attr<int64_t>("n_groups")
+                                  .Attr<int64_t>("topk_groups")
+                                  .Attr<float>("penalty")          // float32, as JAX rounds the Python scalar
+                                  .Attr<int64_t>("chunk")          // tokens per chunk of a sequence
+                                  .Attr<int64_t>("prior_tokens"),  // router.SEQ_LOAD_PRIOR_TOKENS
+                              {xla::ffi::Traits::kCmdBufferCompatible});
