@@ -4,7 +4,8 @@
 // picks of the earlier chunks of the token's sequence. One thread per token, the same float32
 // arithmetic as the CPU handler (explicit __f*_rn intrinsics: nvcc must not contract them).
 //   penalty > 0: one block per sequence walks its chunks in order, counts and penalties in shared
-//     memory; the tokens of a chunk are independent and run in parallel.
+//     memory; the tokens of a chunk are independent and run in parallel, each over n_groups lanes when
+//     the groups allow it (penalized_lanes_kernel), else one thread each (penalized_kernel).
 //   penalty == 0 (or one chunk): no dependence, a grid over all tokens.
 // Limits (checked here and in turbo_moe/ops/router_topk.py): E <= 4096 (three E-vectors in 48 KB of
 // shared memory), n_groups <= 64 (a 64-bit mask of kept groups), top_k <= 32 (per-thread arrays).
@@ -115,6 +116,107 @@ __global__ void penalized_kernel(const float* __restrict__ sel, const float* __r
   }
 }
 
+// The penalized walk with a token split over L = n_groups lanes of one warp (one lane per group of PER experts,
+// held in registers): the group scores, the kept groups and each top-k round are shuffles among the L lanes.
+// A chunk then runs on up to 1024 threads instead of 128 single threads that each scan all E values: the walk
+// is latency-bound (8 blocks at b8), and this cuts each chunk's chain of dependent steps. Same picks, same
+// float32 steps as select_token (ties to the lower index everywhere).
+template <int PER>
+__global__ void __launch_bounds__(1024) penalized_lanes_kernel(const float* __restrict__ sel, const float* __restrict__ bias, int32_t* ids,
+                                       Shape s, float penalty, int64_t chunk, int64_t prior) {
+  extern __shared__ float smem[];
+  float* b = smem;
+  float* pen = smem + s.E;
+  int* counts = reinterpret_cast<int*>(smem + 2 * s.E);
+  const int L = s.n_groups, g = threadIdx.x % L;           // L divides 32: a token's lanes share a warp
+  const unsigned lane = threadIdx.x & 31u, seg = lane - static_cast<unsigned>(g);  // the token's first lane
+  const unsigned mask = L == 32 ? 0xffffffffu : ((1u << L) - 1u) << seg;
+  const int64_t seq = blockIdx.x, per_pass = blockDim.x / L;
+  for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
+    b[e] = bias[(seq / s.B) * s.E + e];
+    pen[e] = 0.0f;
+    counts[e] = 0;
+  }
+  __syncthreads();
+  const double fair = static_cast<double>(s.k) / static_cast<double>(s.E);
+  const float c1 = static_cast<float>(fair * static_cast<double>(prior));
+  for (int64_t start = 0; start < s.S; start += chunk) {
+    if (start > 0) {
+      const float rcp = __fdiv_rn(1.0f, static_cast<float>(static_cast<double>(start + prior) * fair));
+      for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
+        const float excess = fmaxf(__fmaf_rn(__fadd_rn(static_cast<float>(counts[e]), c1), rcp, -1.0f), 0.0f);
+        pen[e] = __fmul_rn(penalty, excess);
+      }
+      __syncthreads();
+    }
+    const int64_t end = min64(s.S, start + chunk);
+    // Every thread of the block runs the same number of passes (whole warps in the shuffles below).
+    for (int64_t first = start; first < end; first += per_pass) {
+      const int64_t t = first + threadIdx.x / L;
+      const bool live = t < end;
+      float v[PER];
+      const float* x = sel + (seq * s.S + (live ? t : start)) * s.E + g * PER;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) v[i] = __fadd_rn(__fsub_rn(x[i], pen[g * PER + i]), b[g * PER + i]);
+      float b1 = -INFINITY, b2 = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        if (v[i] > b1) { b2 = b1; b1 = v[i]; } else if (v[i] > b2) { b2 = v[i]; }
+      }
+      const float score = PER == 1 ? b1 : __fadd_rn(b1, b2);
+      int rank = 0;  // groups ahead of mine
+      for (int j = 1; j < L; ++j) {
+        const int h = (g + j) % L;
+        const float other = __shfl_sync(mask, score, static_cast<int>(seg) + h);
+        rank += ahead(other, h, score, g);
+      }
+      const bool kept = rank < s.topk_groups;
+      unsigned taken = 0;
+      int32_t* out = ids + (seq * s.S + t) * s.k;
+      for (int r = 0; r < s.k; ++r) {
+        float best = -INFINITY;
+        int best_e = INT32_MAX;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int e = g * PER + i;
+          if (kept && !((taken >> i) & 1u) && ahead(v[i], e, best, best_e)) { best = v[i]; best_e = e; }
+        }
+        for (int off = 1; off < L; off <<= 1) {
+          const float ov = __shfl_xor_sync(mask, best, off);
+          const int oe = __shfl_xor_sync(mask, best_e, off);
+          if (ahead(ov, oe, best, best_e)) { best = ov; best_e = oe; }
+        }
+        if (best_e / PER == g) taken |= 1u << (best_e % PER);
+        if (g == 0 && live) {
+          out[r] = best_e;
+          atomicAdd(&counts[best_e], 1);
+        }
+      }
+    }
+    __syncthreads();  // counts complete, pen free to overwrite
+  }
+}
+
+// Launches the lane-split walk when the groups fit it (n_groups a power of two <= 32, E / n_groups in
+// {1, 2, 4, 8, 16, 32}); false otherwise (the caller runs penalized_kernel).
+bool launch_penalized_lanes(const float* sel, const float* bias, int32_t* ids, const Shape& s, float penalty,
+                            int64_t chunk, int64_t prior, cudaStream_t stream) {
+  const int L = s.n_groups, per = static_cast<int>(s.E / s.n_groups);
+  if (L > 32 || (L & (L - 1)) != 0 || per > 32 || (per & (per - 1)) != 0 || s.k > 32) return false;
+  const int threads = static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, ceil_div(chunk * L, 32) * 32)));
+  const size_t smem = 3 * s.E * sizeof(float);
+  const unsigned blocks = static_cast<unsigned>(s.sequences);
+  switch (per) {
+    case 1: penalized_lanes_kernel<1><<<blocks, threads, smem, stream>>>(sel, bias, ids, s, penalty, chunk, prior); break;
+    case 2: penalized_lanes_kernel<2><<<blocks, threads, smem, stream>>>(sel, bias, ids, s, penalty, chunk, prior); break;
+    case 4: penalized_lanes_kernel<4><<<blocks, threads, smem, stream>>>(sel, bias, ids, s, penalty, chunk, prior); break;
+    case 8: penalized_lanes_kernel<8><<<blocks, threads, smem, stream>>>(sel, bias, ids, s, penalty, chunk, prior); break;
+    case 16: penalized_lanes_kernel<16><<<blocks, threads, smem, stream>>>(sel, bias, ids, s, penalty, chunk, prior); break;
+    default: penalized_lanes_kernel<32><<<blocks, threads, smem, stream>>>(sel, bias, ids, s, penalty, chunk, prior);
+  }
+  return true;
+}
+
 ffi::Error RouterTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> selection, ffi::Buffer<ffi::F32> bias,
                           ffi::Result<ffi::Buffer<ffi::S32>> expert_ids, int64_t top_k, int64_t n_groups,
                           int64_t topk_groups, float penalty, int64_t chunk, int64_t prior_tokens) {
@@ -147,10 +249,12 @@ ffi::Error RouterTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> selection, 
   if (penalty > 0.0f && chunk < S) {
     if (sequences > INT32_MAX) return invalid("router_topk: too many sequences for one grid");
     // Threads: the chunk's tokens (each block walks one sequence; a chunk is its unit of parallel work).
-    const int threads = static_cast<int>(std::min<int64_t>(256, ceil_div(chunk, 32) * 32));
-    const size_t smem = 3 * E * sizeof(float);
-    penalized_kernel<<<static_cast<unsigned>(sequences), threads, smem, stream>>>(
-        sel_p, bias_p, ids_p, shape, penalty, chunk, prior_tokens);
+    if (!launch_penalized_lanes(sel_p, bias_p, ids_p, shape, penalty, chunk, prior_tokens, stream)) {
+      const int threads = static_cast<int>(std::min<int64_t>(256, ceil_div(chunk, 32) * 32));
+      const size_t smem = 3 * E * sizeof(float);
+      penalized_kernel<<<static_cast<unsigned>(sequences), threads, smem, stream>>>(
+          sel_p, bias_p, ids_p, shape, penalty, chunk, prior_tokens);
+    }
   } else {
     const int64_t blocks = ceil_div(sequences * S, 128);
     if (blocks > INT32_MAX) return invalid("router_topk: too many tokens for one grid");

@@ -18,8 +18,11 @@ if GPU is not None:
     from turbo_moe.ops import router_topk
 
     CPU = jax.devices("cpu")[0]  # the CPU handler as the reference: needs JAX_PLATFORMS=cuda,cpu
-# (B, S, E, top_k, n_groups, topk_groups): `reduced` at 8 x 2048 tokens; DeepSeek-V3's router at 2 x 4096
-SHAPES = {"reduced": (8, 2048, 64, 6, 8, 4), "deepseek_v3": (2, 4096, 256, 8, 8, 4)}
+# (B, S, E, top_k, n_groups, topk_groups): `reduced` at 8 x 2048 tokens; DeepSeek-V3's router at 2 x 4096; layouts
+# at the edges of the lane-split walk (a full warp of groups; one group) and two it does not take (3 groups; 64
+# experts in one group), which run the one-thread-per-token walk
+SHAPES = {"reduced": (8, 2048, 64, 6, 8, 4), "deepseek_v3": (2, 4096, 256, 8, 8, 4), "groups_32": (2, 1000, 64, 6, 32, 8),
+          "one_group_16": (3, 600, 16, 4, 1, 1), "groups_3": (4, 700, 48, 4, 3, 2), "one_group_64": (2, 500, 64, 6, 1, 1)}
 
 
 def inputs(rng, B, S, E, skew):

@@ -1,4 +1,5 @@
-"""remat_policy "dots_experts_attention": same loss and gradients, and the expert GEMMs are not run again.
+"""remat_policy "dots_experts_attention": same loss and gradients, and the expert GEMMs and the routing are not
+run again.
 
 Under "dots_no_batch" the routed experts' grouped GEMMs (FFI calls, not dots) run a second time in the
 backward pass to rebuild their outputs; the new policy saves those outputs (named in
@@ -57,6 +58,25 @@ def test_policy_does_not_run_the_expert_gemms_again():
     assert counts["none"] == 8, counts
     assert counts["dots_no_batch"] == 12, counts  # + the 4 forward GEMMs rebuilt in the backward pass
     assert counts["dots_experts_attention"] == 8, counts
+
+
+@requires_turbo
+def test_policy_does_not_run_the_routing_again():
+    """The routing's int32 results are saved too (the router's picks, the permute's row index, the group sizes):
+    under "dots_experts_attention" the backward pass runs neither the permute nor the router's selection (here
+    causal centering + the sequence load penalty's chunk walk) a second time, as with no remat at all."""
+    def counts(policy, penalty):
+        cfg = micro_config(moe_path="turbo", remat_policy=policy, router_center_causal=True,
+                           router_seq_load_penalty=penalty, router_seq_load_chunk=4)
+        hlo = compiled_hlo(cfg)
+        return (len(re.findall(r'custom_call_target="turbo_moe_permute"', hlo)), len(re.findall(r"compare\(", hlo)))
+
+    permutes = {policy: counts(policy, 0.1)[0] for policy in ("none", "dots_no_batch", "dots_experts_attention")}
+    assert permutes["dots_no_batch"] > permutes["none"], permutes  # rebuilt there (else the test shows nothing)
+    assert permutes["dots_experts_attention"] == permutes["none"], permutes
+    # the compare ops the penalty's walk adds: once per MoE block without remat, and no more with the policy
+    walk = {policy: counts(policy, 0.1)[1] - counts(policy, 0.0)[1] for policy in ("none", "dots_experts_attention")}
+    assert walk["none"] > 0 and walk["dots_experts_attention"] == walk["none"], walk
 
 
 def test_unknown_policy_is_rejected():

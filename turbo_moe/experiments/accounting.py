@@ -152,8 +152,8 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
     dense_cf's slot einsums): the input plus every projection output (MLA q/kv LoRA and up-projections,
     output projection, the float32 router gate, the shared expert or dense FFN). Grouped GEMMs (FFI
     calls, `ragged_dot`) and cuDNN attention are not dots: they are recomputed. "dots_experts_attention":
-    "dots_no_batch" plus the routed experts' rows, gate/up and down outputs (per copy or capacity slot) and
-    cuDNN attention's output and float32 softmax statistics. "none": the whole working set of the block
+    "dots_no_batch" plus the routed experts' rows, gate/up and down outputs (per copy or capacity slot), the
+    routing's int32 picks and row index, and cuDNN attention's output and float32 softmax statistics. "none": the whole working set of the block
     (attention + FFN) stays.
     """
     act = _BYTES[cfg.dtype]
@@ -179,6 +179,8 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
             # rows in, gate/up out, down out; dense_cf: per capacity slot (cf x top_k per token, unrounded)
             rows = cfg.top_k * (cfg.capacity_factor if _capacity_slots(cfg, path) else 1.0)
             ffn += rows * (2 * d + 2 * cfg.moe_ffn_dim)
+            # int32 routing results: the router's picks, and the permute's row index where the path permutes
+            ffn += cfg.top_k * 4 / act * (1 if _capacity_slots(cfg, path) else 2)
     return (d + attention + ffn + gate) * act
 
 

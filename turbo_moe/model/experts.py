@@ -48,7 +48,7 @@ GroupedGemm = Callable[[jax.Array, jax.Array, "jax.Array | None"], jax.Array]
 
 # Names of the expert FFN's inputs and GEMM outputs (`jax.ad_checkpoint.checkpoint_name`): the remat
 # policy "dots_experts_attention" saves them so that no path's expert GEMMs run again in the backward pass.
-EXPERT_SAVE_NAMES = ("moe_expert_rows", "moe_expert_gate_up", "moe_expert_down")
+EXPERT_SAVE_NAMES = ("moe_expert_rows", "moe_expert_gate_up", "moe_expert_down", "moe_expert_group_sizes")
 
 
 def _named(x: jax.Array, name: str) -> jax.Array:
@@ -65,6 +65,8 @@ def expert_ffn(rows: jax.Array, weights: ExpertWeights, group_sizes: jax.Array |
     rows (M, D) sorted by expert with group_sizes (E,) rows each (or (E, ..., D) slots and None for the
     batched einsum) -> (M, D) (or (E, ..., D)). gate and up are one GEMM to 2F (fused weights)."""
     rows = _named(rows, EXPERT_SAVE_NAMES[0])
+    if group_sizes is not None:  # the grouped GEMMs' backward reads them: saved, the permute need not run again
+        group_sizes = _named(group_sizes, EXPERT_SAVE_NAMES[3])
     with jax.named_scope("grouped_gemm"):
         h = _named(gemm(rows, weights.w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (M, 2F)
     with jax.named_scope("swiglu"):

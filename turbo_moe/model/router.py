@@ -13,8 +13,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.ad_checkpoint import checkpoint_name
+
 from turbo_moe.model.config import ModelConfig
 from turbo_moe.ops.router_topk import SEQ_LOAD_PRIOR_TOKENS, router_topk
+
+
+# The name of the router's picks (expert ids) for the remat policies (model/stack.py).
+ROUTER_SAVE_NAME = "moe_router_expert_ids"
 
 
 class RouterBias(nnx.Variable):
@@ -97,6 +103,9 @@ def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig, selection: jax.A
         expert_ids = group_limited_topk(
             select, jax.lax.stop_gradient(bias), top_k=cfg.top_k, n_groups=cfg.n_groups,
             topk_groups=cfg.topk_groups)
+    # Named so that the remat policy "dots_experts_attention" keeps the picks: the backward pass then needs none
+    # of the selection (centering, the penalty's chunk walk, top-k) again. The barrier: see experts._named.
+    expert_ids = checkpoint_name(jax.lax.optimization_barrier(expert_ids), ROUTER_SAVE_NAME)
     picked = jnp.take_along_axis(scores, expert_ids, axis=-1)  # (..., k)
     weights = picked / (picked.sum(-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     return Routing(expert_ids=expert_ids, weights=weights, scores=scores)

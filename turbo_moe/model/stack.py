@@ -19,6 +19,8 @@ from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, RoutedExperts
 from turbo_moe.model.layers import MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
+from turbo_moe.model.router import ROUTER_SAVE_NAME
+from turbo_moe.ops.permute import ROW_INDEX_NAME
 from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
 
 # The routed experts' tensors the backward pass reads (named in `experts.expert_ffn`), and the cuDNN
@@ -26,6 +28,9 @@ from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
 # a plain dot, so under "dots_no_batch" the grouped GEMMs, the permute and cuDNN's forward run again in the
 # backward pass (~17 ms of a 175 ms `reduced` step, experiments/NOTES.md issue 14).
 _CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
+# The routing's integer results (the router's picks; the permute's row index, a residual of its backward):
+# a few bytes a token, and without them the backward pass runs the router's selection and the permute again.
+ROUTING_SAVE_NAMES = (ROUTER_SAVE_NAME, ROW_INDEX_NAME)
 
 
 def _cudnn_attention_outputs(prim, *_, **__) -> bool:
@@ -39,7 +44,8 @@ REMAT_POLICIES = {
     "dots_experts_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES), _cudnn_attention_outputs)),
+            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES, *ROUTING_SAVE_NAMES),
+            _cudnn_attention_outputs)),
 }
 
 

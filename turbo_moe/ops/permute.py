@@ -7,8 +7,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax.ad_checkpoint import checkpoint_name
+
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call, match_varying, workspace
+
+
+# The `jax.ad_checkpoint.checkpoint_name` of the row index that the backward pass needs (a residual).
+ROW_INDEX_NAME = "turbo_moe_permute_row_index"
 
 
 class PermuteHandle(NamedTuple):
@@ -44,7 +50,7 @@ def permute(x, expert_ids, num_experts: int):
         raise ValueError(f"expert_ids (T, k) must have T={x.shape[0]} rows like x (T, H), got {expert_ids.shape}")
     num_experts = _checks.static_int("num_experts", num_experts)
     x_sorted, group_sizes, row_index = _permute(x, _checks.index_as_int32(expert_ids, num_experts), num_experts)
-    return x_sorted, group_sizes, PermuteHandle(row_index)
+    return x_sorted, group_sizes, PermuteHandle(checkpoint_name(row_index, ROW_INDEX_NAME))
 
 
 def _permute_call(x, expert_ids, num_experts):
@@ -66,7 +72,10 @@ def _permute(x, expert_ids, num_experts):
 
 def _permute_fwd(x, expert_ids, num_experts):
     x_sorted, group_sizes, row_index = _permute_call(x, expert_ids, num_experts)
-    return (x_sorted, group_sizes, row_index), (row_index, x[:0])  # x[:0]: x's type, no data
+    # Named so that a remat policy can keep it (the model's "dots_experts_attention" does): else the backward
+    # pass runs the whole permute again only to get this index back.
+    residual = checkpoint_name(row_index, ROW_INDEX_NAME)
+    return (x_sorted, group_sizes, row_index), (residual, x[:0])  # x[:0]: x's type, no data
 
 
 def _permute_bwd(num_experts, residuals, cotangents):
