@@ -47,9 +47,9 @@ def test_cuda_equals_the_cpu_handler(shape, penalty, chunk, skew):
     gpu, cpu = on(GPU, fn, sel, bias), on(CPU, fn, sel, bias)
     assert gpu.dtype == np.int32 and gpu.shape == (B, S, k)
     np.testing.assert_array_equal(gpu, cpu)
-    if skew and penalty > 0:
-        load = np.bincount(gpu.ravel(), minlength=E)
-        assert load[3] < 0.9 * B * S  # spread: without the penalty expert 3 takes every token
+    if skew and penalty > 0:  # the penalty spreads the boosted expert's picks (how far depends on E, k, penalty)
+        plain = on(CPU, jax.jit(lambda s, b: router_topk(s, b, top_k=k, n_groups=G, topk_groups=tg)), sel, bias)
+        assert np.sum(gpu == 3) < np.sum(plain == 3), (np.sum(gpu == 3), np.sum(plain == 3))
 
 
 @pytest.mark.parametrize("penalty", [0.0, 0.1])

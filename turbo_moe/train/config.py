@@ -38,6 +38,10 @@ class TrainConfig:
     # without a warm autotune cache, its default Triton tiles run the step several times slower
     # (experiments/NOTES.md, issue 12): keep None unless compile time is all that matters.
     xla_gpu_autotune_level: int | None = None
+    # Lower the train step with JAX's scan outputs left uninitialised (`lax.empty`) instead of zero-filled:
+    # every stacked output slice is written by the loop, so the fill is wasted (turbo_moe/train/scan_outputs.py).
+    # Replaces a private JAX function while lowering: off by default.
+    scan_outputs_uninitialized: bool = False
     seq_len: int | None = None
     steps: int = 50
     learning_rate: float = 3e-3
@@ -133,6 +137,8 @@ def _validate(c: TrainConfig) -> None:
     for name in _NON_NEGATIVE_INTS:
         value = getattr(c, name)
         _require(_is_int(value) and value >= 0, name, f"must be a non-negative int, got {value!r}")
+    _require(isinstance(c.scan_outputs_uninitialized, bool), "scan_outputs_uninitialized",
+             f"must be a bool, got {c.scan_outputs_uninitialized!r}")
     _require(c.xla_gpu_autotune_level is None or (_is_int(c.xla_gpu_autotune_level)
              and 0 <= c.xla_gpu_autotune_level <= 4), "xla_gpu_autotune_level",
              f"must be None or an int in 0..4, got {c.xla_gpu_autotune_level!r}")

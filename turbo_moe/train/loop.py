@@ -91,7 +91,8 @@ class _Trainer:
         tc, history = self.tc, self.result.history
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
-        program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level)
+        program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
+                                tc.scan_outputs_uninitialized)
         # The train step compiles on abstract inputs in a second thread while the init program compiles
         # and runs: a cold start waits for the longer of the two, not their sum (NOTES, issue 12).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step") as pool:

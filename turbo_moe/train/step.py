@@ -24,6 +24,7 @@ from turbo_moe.model.router import bias_rate_at
 from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train state's layout, re-exported)
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.init_program import InitProgram
+from turbo_moe.train.scan_outputs import LoweredWithUninitializedScans
 
 # Mesh axes: ("data", "expert"). Tokens are split over every device; the training states are sharded
 # by the logical axes their parameters declare (turbo_moe.model.sharding: ZeRO-3 / FSDP).
@@ -204,7 +205,8 @@ def compiler_options(gpu_autotune_level: int | None) -> dict | None:
 
 @functools.lru_cache(maxsize=4)
 def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
-                  fsdp: bool = True, gpu_autotune_level: int | None = None) -> Program:
+                  fsdp: bool = True, gpu_autotune_level: int | None = None,
+                  scan_outputs_uninitialized: bool = False) -> Program:
     options = compiler_options(gpu_autotune_level)
     new_model, create = _init_fn(model_cfg, tx)
     key = jax.random.key(0)
@@ -222,6 +224,8 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
                     out_shardings=(state_sharding, replicated(mesh)), donate_argnums=0, compiler_options=options)
     evaluate = jax.jit(_in_mesh(make_eval_step(graphdef), mesh), in_shardings=(state_sharding, data_sharding),
                        out_shardings=replicated(mesh), compiler_options=options)
+    if scan_outputs_uninitialized:
+        train, evaluate = LoweredWithUninitializedScans(train), LoweredWithUninitializedScans(evaluate)
     return Program(graphdef, init, train, evaluate, abstract_state)
 
 
