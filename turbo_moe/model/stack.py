@@ -121,9 +121,14 @@ class BlockStack(nnx.Module):
 
         if self.cfg.scan_layers:
             return jax.lax.scan(body, h, state)
+        # One split per stacked weight, not a slice per layer: the gradient of L slices is L zero-padded full-size
+        # stacks summed (XLA fused that chain into the optimizer's norm: +73 ms a `reduced` step, experiments/
+        # NOTES.md issue 14); the gradient of a split is one concatenate.
+        leaves, treedef = jax.tree.flatten(state)
+        pieces = [jax.lax.split(a, [1] * self.n_blocks, axis=0) for a in leaves]
         per_layer = []
         for i in range(self.n_blocks):
-            h, stats = body(h, jax.tree.map(lambda a: a[i], state))
+            h, stats = body(h, jax.tree.unflatten(treedef, [p[i][0] for p in pieces]))
             per_layer.append(stats)
         if per_layer[0] is None:
             return h, None
