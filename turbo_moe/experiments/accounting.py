@@ -152,9 +152,9 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
     dense_cf's slot einsums): the input plus every projection output (MLA q/kv LoRA and up-projections,
     output projection, the float32 router gate, the shared expert or dense FFN). Grouped GEMMs (FFI
     calls, `ragged_dot`) and cuDNN attention are not dots: they are recomputed. "dots_experts_attention":
-    "dots_no_batch" plus the routed experts' rows, gate/up and down outputs (per copy or capacity slot), the
-    routing's int32 picks and row index, and cuDNN attention's output and float32 softmax statistics. "none": the whole working set of the block
-    (attention + FFN) stays.
+    "dots_no_batch" plus the routed experts' rows, gate/up, SwiGLU and down outputs (per copy or capacity slot),
+    the routing's int32 picks and row index, and cuDNN attention's inputs, output and float32 softmax statistics.
+    "none": the whole working set of the block (attention + FFN), at least the widest policy's set, stays.
     """
     act = _BYTES[cfg.dtype]
     d = cfg.d_model
@@ -163,7 +163,10 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
     if cfg.remat_policy == "none":
         work = attention_working_set_bytes(cfg, 1, 1) + (
             moe_working_set_bytes(cfg, path, 1, 1) if moe else 3 * cfg.dense_ffn_dim * act)
-        return work + 6 * d * act  # + norms, residual sums
+        # Everything stays, so at least what the widest policy keeps (it names tensors the working-set terms
+        # leave out: the projection outputs), + norms and residual sums.
+        widest = saved_values_per_token(dataclasses.replace(cfg, remat_policy="dots_experts_attention"), path, moe)
+        return max(work, widest) + 6 * d * act
     h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     q = (cfg.q_lora_rank + h * qk) if cfg.q_lora_rank else h * qk
     kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim + h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
@@ -174,11 +177,12 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
     else:
         ffn, gate = 2 * cfg.dense_ffn_dim + d, 0
     if cfg.remat_policy == "dots_experts_attention":
-        attention += h * cfg.v_head_dim + h * 4 / act  # cuDNN's output and float32 log-sum-exp
+        # cuDNN's inputs (q, k, v at the wider head dim), output and float32 log-sum-exp
+        attention += 3 * h * max(qk, cfg.v_head_dim) + h * cfg.v_head_dim + h * 4 / act
         if moe:
-            # rows in, gate/up out, down out; dense_cf: per capacity slot (cf x top_k per token, unrounded)
+            # per copy (dense_cf: per capacity slot, cf x top_k per token, unrounded)
             rows = cfg.top_k * (cfg.capacity_factor if _capacity_slots(cfg, path) else 1.0)
-            ffn += rows * (2 * d + 2 * cfg.moe_ffn_dim)
+            ffn += rows * (2 * d + 3 * cfg.moe_ffn_dim)  # rows in, gate/up out, SwiGLU out, down out
             # int32 routing results: the router's picks, and the permute's row index where the path permutes
             ffn += cfg.top_k * 4 / act * (1 if _capacity_slots(cfg, path) else 2)
     return (d + attention + ffn + gate) * act

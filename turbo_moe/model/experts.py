@@ -48,7 +48,8 @@ GroupedGemm = Callable[[jax.Array, jax.Array, "jax.Array | None"], jax.Array]
 
 # Names of the expert FFN's inputs and GEMM outputs (`jax.ad_checkpoint.checkpoint_name`): the remat
 # policy "dots_experts_attention" saves them so that no path's expert GEMMs run again in the backward pass.
-EXPERT_SAVE_NAMES = ("moe_expert_rows", "moe_expert_gate_up", "moe_expert_down", "moe_expert_group_sizes")
+EXPERT_SAVE_NAMES = ("moe_expert_rows", "moe_expert_gate_up", "moe_expert_down", "moe_expert_group_sizes",
+                     "moe_expert_act")
 
 
 def _named(x: jax.Array, name: str) -> jax.Array:
@@ -70,7 +71,7 @@ def expert_ffn(rows: jax.Array, weights: ExpertWeights, group_sizes: jax.Array |
     with jax.named_scope("grouped_gemm"):
         h = _named(gemm(rows, weights.w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (M, 2F)
     with jax.named_scope("swiglu"):
-        act = swiglu_fused(h)  # (M, F)
+        act = checkpoint_name(swiglu_fused(h), EXPERT_SAVE_NAMES[4])  # (M, F); saved: not recomputed for the backward
     with jax.named_scope("grouped_gemm"):
         return _named(gemm(act, weights.w_down, group_sizes), EXPERT_SAVE_NAMES[2])  # (M, D)
 

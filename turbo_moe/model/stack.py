@@ -17,7 +17,7 @@ from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, RoutedExperts
-from turbo_moe.model.layers import MLAttention, RMSNorm, SwiGLU
+from turbo_moe.model.layers import ATTENTION_SAVE_NAME, MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
 from turbo_moe.model.router import ROUTER_SAVE_NAME
 from turbo_moe.ops.permute import ROW_INDEX_NAME
@@ -44,7 +44,7 @@ REMAT_POLICIES = {
     "dots_experts_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES, *ROUTING_SAVE_NAMES),
+            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES, *ROUTING_SAVE_NAMES, ATTENTION_SAVE_NAME),
             _cudnn_attention_outputs)),
 }
 
