@@ -133,6 +133,26 @@ def mesh_device_count(mesh=None) -> int:
     return math.prod(_mesh_shape(mesh).values())
 
 
+def batch_sharded(fn: Callable, *, mesh=None) -> Callable:
+    """`fn(x, *replicated)` run per device on its shard of x's leading (batch) axis inside `shard_map`, on a mesh of
+    more than one device; `fn` itself otherwise, or when the batch does not divide over the devices. For FFI
+    calls whose rows are independent (the router's choice): XLA's partitioner would replicate them instead, each
+    device running the whole global batch."""
+    n_devices = mesh_device_count(mesh)
+    if n_devices <= 1:
+        return fn
+
+    def run(x, *replicated):
+        if x.shape[0] % n_devices:
+            return fn(x, *replicated)
+        m = _mesh_or_ambient(mesh)
+        axes = tuple(m.axis_names)
+        return jax.shard_map(fn, mesh=m, in_specs=(P(axes), *(P() for _ in replicated)), out_specs=P(axes))(
+            x, *replicated)
+
+    return run
+
+
 def data_parallel_moe_path(local_path: Callable, *, mesh=None):
     """A one-device MoE path run per device inside `shard_map` on a mesh without expert parallelism.
 

@@ -183,14 +183,20 @@ def kernel_expert_ids(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -
     """Expert ids (..., k) int32 from the router_topk kernel (cfg.router_topk_impl == "kernel"): the picks of
     `group_limited_topk` on `selection` (..., E), or with the sequence load penalty on
     `seq_load_penalized_selection(selection)` ((B, S, E) then), in one call."""
+    from turbo_moe.model.expert_parallel import batch_sharded  # here: that module imports this one
+
     penalty = float(cfg.router_seq_load_penalty)
     if penalty > 0:
         _needs_sequence_axis(selection)
-    lead = selection.shape[:-1]
-    rows = selection.reshape(1, -1, selection.shape[-1]) if penalty == 0 else selection  # no sequence axis needed
-    ids = router_topk(rows.astype(jnp.float32), bias.astype(jnp.float32), top_k=cfg.top_k, n_groups=cfg.n_groups,
-                      topk_groups=cfg.topk_groups, penalty=penalty, chunk=cfg.router_seq_load_chunk)
-    return ids.reshape(*lead, cfg.top_k)
+
+    def local(selection, bias):
+        rows = selection.reshape(1, -1, selection.shape[-1]) if penalty == 0 else selection  # no sequence axis needed
+        ids = router_topk(rows.astype(jnp.float32), bias.astype(jnp.float32), top_k=cfg.top_k, n_groups=cfg.n_groups,
+                          topk_groups=cfg.topk_groups, penalty=penalty, chunk=cfg.router_seq_load_chunk)
+        return ids.reshape(*selection.shape[:-1], cfg.top_k)
+
+    # Each device picks for its own sequences (they are independent) rather than all of them.
+    return batch_sharded(local)(jax.lax.stop_gradient(selection), jax.lax.stop_gradient(bias))
 
 
 class Router(nnx.Module):
