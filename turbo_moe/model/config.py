@@ -19,6 +19,7 @@ PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attention")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROUTER_TOPK_IMPLS = ("xla", "kernel")
+EMBEDDING_GRADS = ("scatter", "matmul")  # turbo_moe/model/embedding.py
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
 # The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.
@@ -157,6 +158,9 @@ class ModelConfig:
     # Who picks the experts: "xla" (jnp: group-limited top-k, the penalty's chunk loop unrolled) or "kernel"
     # (turbo_moe.ops.router_topk: one FFI call, the penalty fused in; the same picks, the same combine weights).
     router_topk_impl: str = "xla"
+    # The token embedding's backward: "scatter" (JAX's scatter-add, atomics: slow on real text's frequent tokens)
+    # or "matmul" (one_hot(ids)^T @ d_hidden in token chunks, float32 accumulation; model/embedding.py).
+    embedding_grad: str = "scatter"
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -313,6 +317,8 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
     _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
              f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+    _require(c.embedding_grad in EMBEDDING_GRADS, "embedding_grad",
+             f"got {c.embedding_grad!r}; expected one of {EMBEDDING_GRADS}")
     _require(c.router_topk_impl in ROUTER_TOPK_IMPLS, "router_topk_impl",
              f"got {c.router_topk_impl!r}; expected one of {ROUTER_TOPK_IMPLS}")
     _require(c.head_bias in HEAD_BIASES, "head_bias", f"got {c.head_bias!r}; expected one of {HEAD_BIASES}")

@@ -14,6 +14,7 @@ from flax import nnx
 
 from turbo_moe.model.chunked_loss import chunked_cross_entropy
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.embedding import lookup
 from turbo_moe.model.layers import RMSNorm, compute_dtype, linear, rope_tables
 from turbo_moe.model.router import RouterBias, RouterCenter, updated_bias, updated_center
 from turbo_moe.model.stack import BlockStack, DecoderBlock, StackStats, apply_block, concat_stats
@@ -89,6 +90,11 @@ class DeepSeekModel(nnx.Module):
             return self.embed.embedding[...], True, bias
         return self.head.kernel[...], False, bias
 
+    def _embed(self, ids: jax.Array) -> jax.Array:
+        """nnx.Embed's lookup (the table cast to the compute dtype) with the configured backward."""
+        table = self.embed.embedding[...].astype(self.embed.dtype or self.embed.embedding.dtype)
+        return lookup(table, ids, self.cfg.embedding_grad)
+
     def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *, apply_head: bool = True
                  ) -> ModelOutput:
         """inputs (B, S) int32 -> ModelOutput. `targets` (B, S), if given, supplies the token after the
@@ -105,7 +111,7 @@ class DeepSeekModel(nnx.Module):
         cos, sin = rope_tables(s, cfg.qk_rope_head_dim, cfg.rope_theta)  # (S, R/2) each
 
         with jax.named_scope("embedding"):
-            h = self.embed(inputs)  # (B, S, D)
+            h = self._embed(inputs)  # (B, S, D)
         stats = []  # per-layer LayerStats in router order: main MoE layers, then MTP blocks
         for stack in (self.dense_layers, self.moe_layers):
             if stack is not None:
@@ -120,7 +126,7 @@ class DeepSeekModel(nnx.Module):
         with jax.named_scope("mtp"):
             for depth, module in enumerate(self.mtp, start=1):
                 ahead = _shift_left(stream, depth)[:, :s]  # (B, S): token i+depth (0 past the end)
-                merged = jnp.concatenate([module.hidden_norm(h), module.embed_norm(self.embed(ahead))], axis=-1)
+                merged = jnp.concatenate([module.hidden_norm(h), module.embed_norm(self._embed(ahead))], axis=-1)
                 h, layer_stats = apply_block(cfg, module.block, module.proj(merged), cos, sin)
                 if layer_stats is not None:
                     stats.append(layer_stats)

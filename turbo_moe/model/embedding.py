@@ -1,0 +1,59 @@
+"""Token embedding lookup with a choice of backward (`ModelConfig.embedding_grad`).
+
+The gradient of `table[ids]` is a scatter-add of the B*S rows of d_hidden into the (V, D) table. XLA's GPU scatter adds
+with atomics, so rows of frequent tokens serialise: on real text (Zipf-like ids) it took 15.5 ms (embedding) and 21 ms
+(the MTP block's lookup of the same table) of a 172 ms `reduced` step on an H200 where uniform synthetic ids took
+0.2 ms (experiments/NOTES.md, issue 14, call 56). "matmul" computes the same gradient as one_hot(ids)^T @ d_hidden in
+chunks of tokens: dense, deterministic, its cost set by V x tokens x D and not by the ids' distribution.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from turbo_moe.model.config import EMBEDDING_GRADS
+# Tokens per one-hot chunk of the "matmul" backward: bounds the (chunk, V) one-hot (256 MiB bf16 at V = 32768).
+MATMUL_CHUNK_TOKENS = 4096
+
+
+def lookup(table: jax.Array, ids: jax.Array, grad: str = "scatter") -> jax.Array:
+    """table (V, D), integer ids (...) -> (..., D); `grad` picks the backward ("scatter": JAX's own)."""
+    if grad == "scatter":
+        return jnp.take(table, ids, axis=0)
+    if grad == "matmul":
+        return _lookup_matmul_grad(table, ids)
+    raise ValueError(f"embedding grad: expected one of {EMBEDDING_GRADS}, got {grad!r}")
+
+
+@jax.custom_vjp
+def _lookup_matmul_grad(table, ids):
+    return jnp.take(table, ids, axis=0)
+
+
+def _fwd(table, ids):
+    return jnp.take(table, ids, axis=0), (ids, jnp.zeros((0,), table.dtype), table.shape[0])
+
+
+def _bwd(res, g):
+    ids, table_type, vocab = res
+    d = g.shape[-1]
+    flat_ids, flat_g = ids.reshape(-1), g.reshape(-1, d)
+    n = flat_ids.shape[0]
+    chunk = min(MATMUL_CHUNK_TOKENS, n)
+    pad = -n % chunk
+    flat_ids = jnp.pad(flat_ids, (0, pad), constant_values=-1)  # -1: a one-hot row of zeros
+    flat_g = jnp.pad(flat_g, ((0, pad), (0, 0)))
+
+    def add_chunk(acc, part):
+        part_ids, part_g = part
+        one_hot = jax.nn.one_hot(part_ids, vocab, dtype=part_g.dtype)  # (chunk, V), exact in any float dtype
+        return acc + jnp.einsum("tv,td->vd", one_hot, part_g, preferred_element_type=jnp.float32), None
+
+    parts = (flat_ids.reshape(-1, chunk), flat_g.reshape(-1, chunk, d))
+    total, _ = jax.lax.scan(add_chunk, jnp.zeros((vocab, d), jnp.float32), parts)
+    return total.astype(table_type.dtype), None
+
+
+_lookup_matmul_grad.defvjp(_fwd, _bwd)
