@@ -78,8 +78,30 @@ __global__ void plain_kernel(const float* __restrict__ sel, const float* __restr
   select_token(value, static_cast<int>(s.E), s.n_groups, s.topk_groups, s.k, ids + token * s.k);
 }
 
-// One block per sequence, chunk after chunk. The float32 steps are those of the CPU handler's
-// ChunkPenalty (XLA:CPU's program: the constant division as a reciprocal multiply fused with "- 1").
+// A penalized walk's shared memory: this sequence's bias, the current chunk's penalty and the picks by the earlier
+// chunks (3 E-vectors). Loads the bias and zeroes the rest.
+__device__ void start_sequence(const float* bias, const Shape& s, int64_t seq, float* b, float* pen, int* counts) {
+  for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
+    b[e] = bias[(seq / s.B) * s.E + e];  // each vmap element has its own bias
+    pen[e] = 0.0f;
+    counts[e] = 0;
+  }
+}
+
+// The penalty of the chunk starting at `start` > 0 from the earlier chunks' counts. The float32 steps are those of
+// the CPU handler's ChunkPenalty (XLA:CPU's program: the constant division as a reciprocal multiply fused with "- 1").
+__device__ void chunk_penalty(const Shape& s, int64_t start, int64_t prior, float penalty, const int* counts,
+                              float* pen) {
+  const double fair = static_cast<double>(s.k) / static_cast<double>(s.E);
+  const float c1 = static_cast<float>(fair * static_cast<double>(prior));
+  const float rcp = __fdiv_rn(1.0f, static_cast<float>(static_cast<double>(start + prior) * fair));
+  for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
+    const float excess = fmaxf(__fmaf_rn(__fadd_rn(static_cast<float>(counts[e]), c1), rcp, -1.0f), 0.0f);
+    pen[e] = __fmul_rn(penalty, excess);
+  }
+}
+
+// One block per sequence, chunk after chunk, one thread per token.
 __global__ void penalized_kernel(const float* __restrict__ sel, const float* __restrict__ bias, int32_t* ids,
                                  Shape s, float penalty, int64_t chunk, int64_t prior) {
   extern __shared__ float smem[];
@@ -87,21 +109,11 @@ __global__ void penalized_kernel(const float* __restrict__ sel, const float* __r
   float* pen = smem + s.E;                                 // E: this chunk's penalty per expert
   int* counts = reinterpret_cast<int*>(smem + 2 * s.E);   // E: picks by the earlier chunks
   const int64_t seq = blockIdx.x;
-  for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
-    b[e] = bias[(seq / s.B) * s.E + e];
-    pen[e] = 0.0f;
-    counts[e] = 0;
-  }
+  start_sequence(bias, s, seq, b, pen, counts);
   __syncthreads();
-  const double fair = static_cast<double>(s.k) / static_cast<double>(s.E);
-  const float c1 = static_cast<float>(fair * static_cast<double>(prior));
   for (int64_t start = 0; start < s.S; start += chunk) {
     if (start > 0) {  // the first chunk has no past: share is the prior, exactly 1
-      const float rcp = __fdiv_rn(1.0f, static_cast<float>(static_cast<double>(start + prior) * fair));
-      for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
-        const float excess = fmaxf(__fmaf_rn(__fadd_rn(static_cast<float>(counts[e]), c1), rcp, -1.0f), 0.0f);
-        pen[e] = __fmul_rn(penalty, excess);
-      }
+      chunk_penalty(s, start, prior, penalty, counts, pen);
       __syncthreads();
     }
     const int64_t end = min64(s.S, start + chunk);
@@ -132,21 +144,11 @@ __global__ void __launch_bounds__(1024) penalized_lanes_kernel(const float* __re
   const unsigned lane = threadIdx.x & 31u, seg = lane - static_cast<unsigned>(g);  // the token's first lane
   const unsigned mask = L == 32 ? 0xffffffffu : ((1u << L) - 1u) << seg;
   const int64_t seq = blockIdx.x, per_pass = blockDim.x / L;
-  for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
-    b[e] = bias[(seq / s.B) * s.E + e];
-    pen[e] = 0.0f;
-    counts[e] = 0;
-  }
+  start_sequence(bias, s, seq, b, pen, counts);
   __syncthreads();
-  const double fair = static_cast<double>(s.k) / static_cast<double>(s.E);
-  const float c1 = static_cast<float>(fair * static_cast<double>(prior));
   for (int64_t start = 0; start < s.S; start += chunk) {
     if (start > 0) {
-      const float rcp = __fdiv_rn(1.0f, static_cast<float>(static_cast<double>(start + prior) * fair));
-      for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
-        const float excess = fmaxf(__fmaf_rn(__fadd_rn(static_cast<float>(counts[e]), c1), rcp, -1.0f), 0.0f);
-        pen[e] = __fmul_rn(penalty, excess);
-      }
+      chunk_penalty(s, start, prior, penalty, counts, pen);
       __syncthreads();
     }
     const int64_t end = min64(s.S, start + chunk);
