@@ -21,3 +21,16 @@ def write_csv(rows: list[dict], table: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def median_ms(fn, *args, reps: int) -> float:
+    """Median wall time in ms of `reps` calls of `fn(*args)`, each waited for (jax arrays; compile it before)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3

@@ -9,14 +9,12 @@ each other. Zipf ids (exponent --zipf) stand in for real text's token frequencie
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _provenance import provenance  # noqa: E402
-from _records import write_csv  # noqa: E402
+from _records import median_ms, write_csv  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -49,13 +47,8 @@ def main(argv=None) -> int:
             for method in EMBEDDING_GRADS:
                 fn = jax.jit(jax.grad(lambda t, i, m=method: jnp.sum(lookup(t, i, m).astype(jnp.float32)
                                                                       * g.astype(jnp.float32))))
-                grads[method] = np.asarray(fn(table, ids), np.float32)
-                times = []
-                for _ in range(args.reps):
-                    t0 = time.perf_counter()
-                    fn(table, ids).block_until_ready()
-                    times.append(time.perf_counter() - t0)
-                ms = statistics.median(times) * 1e3
+                grads[method] = np.asarray(fn(table, ids), np.float32)  # compiles it, untimed
+                ms = median_ms(fn, table, ids, reps=args.reps)
                 top = float(np.bincount(np.asarray(ids)).max()) / args.tokens
                 rows.append({"vocab": vocab, "ids": dist, "method": method, "ms": round(ms, 4), "tokens": args.tokens,
                              "d_model": args.d_model, "zipf": args.zipf, "top_id_share": round(top, 4), **meta})
