@@ -12,29 +12,36 @@ from turbo_moe.model import DeepSeekModel, lm_loss
 from turbo_moe.train.step import batch_sharding, make_mesh, state_shardings
 
 
-@pytest.mark.parametrize("path", ["turbo", "dense_cf"])
-def test_data_parallel_moe_runs_per_device_and_matches_one_device(path):
+def _one_device_and_sharded(cfg, seed):
+    """(reference (loss, metrics), grads on one device; the step compiled for a 4-device data mesh; its arguments)."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
     mesh = make_mesh(jax.devices()[:4], expert_parallel=1)
-    cfg = micro_config(moe_path=path, dtype="float32", capacity_factor=1.0)
     graphdef, params, extra = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     batch = {name: jnp.asarray(rng.integers(0, cfg.vocab_size, (8, cfg.max_seq_len)), jnp.int32)
              for name in ("inputs", "targets")}
 
     def loss_and_grads(params, extra, batch):
         return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p, extra), batch), has_aux=True)(params)
 
-    (ref_loss, ref_metrics), ref_grads = jax.jit(loss_and_grads)(params, extra, batch)
-    sharded = jax.device_put((params, extra), state_shardings((params, extra), mesh))
+    reference = jax.jit(loss_and_grads)(params, extra, batch)
+    args = (*jax.device_put((params, extra), state_shardings((params, extra), mesh)),
+            jax.device_put(batch, batch_sharding(mesh)))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = jax.jit(loss_and_grads).lower(*sharded, jax.device_put(batch, batch_sharding(mesh))).compile()
+        compiled = jax.jit(loss_and_grads).lower(*args).compile()
+    return reference, compiled, args
+
+
+@pytest.mark.parametrize("path", ["turbo", "dense_cf"])
+def test_data_parallel_moe_runs_per_device_and_matches_one_device(path):
+    cfg = micro_config(moe_path=path, dtype="float32", capacity_factor=1.0)
+    ((ref_loss, ref_metrics), ref_grads), compiled, args = _one_device_and_sharded(cfg, seed=0)
     if path == "turbo":
         local_tokens = 8 // 4 * cfg.max_seq_len
         permutes = [ln for ln in compiled.as_text().splitlines() if 'custom_call_target="turbo_moe_permute"' in ln]
         assert permutes and all(f"[{local_tokens},{cfg.d_model}]" in ln for ln in permutes), permutes[:1]
-    (loss, metrics), grads = compiled(*sharded, jax.device_put(batch, batch_sharding(mesh)))
+    (loss, metrics), grads = compiled(*args)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
     np.testing.assert_allclose(metrics["expert_load"], ref_metrics["expert_load"])
     np.testing.assert_allclose(metrics["dropped_fraction"], ref_metrics["dropped_fraction"], rtol=1e-6)
@@ -45,26 +52,12 @@ def test_data_parallel_moe_runs_per_device_and_matches_one_device(path):
 def test_the_router_kernel_runs_per_device_and_matches_one_device():
     """router_topk_impl="kernel" (with the sequence load penalty): each device picks for its own sequences, not the
     whole global batch that XLA's partitioner would give a replicated FFI call, and the picks are the one-device ones."""
-    if jax.device_count() < 4:
-        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
-    mesh = make_mesh(jax.devices()[:4], expert_parallel=1)
     cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0, router_topk_impl="kernel",
                        router_seq_load_penalty=0.1, router_seq_load_chunk=4, router_center_causal=True)
-    graphdef, params, extra = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
-    rng = np.random.default_rng(1)
-    batch = {name: jnp.asarray(rng.integers(0, cfg.vocab_size, (8, cfg.max_seq_len)), jnp.int32)
-             for name in ("inputs", "targets")}
-
-    def loss_and_grads(params, extra, batch):
-        return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p, extra), batch), has_aux=True)(params)
-
-    (ref_loss, ref_metrics), _ = jax.jit(loss_and_grads)(params, extra, batch)
-    sharded = jax.device_put((params, extra), state_shardings((params, extra), mesh))
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = jax.jit(loss_and_grads).lower(*sharded, jax.device_put(batch, batch_sharding(mesh))).compile()
+    ((ref_loss, ref_metrics), _), compiled, args = _one_device_and_sharded(cfg, seed=1)
     calls = [ln for ln in compiled.as_text().splitlines() if 'custom_call_target="turbo_moe_router_topk"' in ln]
     local = f"f32[{8 // 4},{cfg.max_seq_len},{cfg.n_experts}]"
     assert calls and all(local in ln for ln in calls), calls[:1]
-    (loss, metrics), _ = compiled(*sharded, jax.device_put(batch, batch_sharding(mesh)))
+    (loss, metrics), _ = compiled(*args)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
     np.testing.assert_allclose(metrics["expert_load"], ref_metrics["expert_load"])
