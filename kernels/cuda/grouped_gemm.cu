@@ -33,14 +33,16 @@ size_t table_bytes(int64_t batch, int64_t groups) {
   return (table + 255) & ~size_t(255);
 }
 
-size_t workspace_bytes(const GroupedGemmArgs& a, bool fast, bool weight_grad, int device) {
-  return 2 * table_bytes(a.batch, a.G) + (fast ? sm90_scratch_bytes(a, weight_grad, device) : 0) + 256;
+// The offset tables, then the sm90 arrays (`sm90_bytes`), + 256 for aligning the base.
+size_t workspace_bytes(int64_t batch, int64_t groups, size_t sm90_bytes) {
+  return 2 * table_bytes(batch, groups) + sm90_bytes + 256;
 }
 
 ffi::Error carve_workspace(ffi::Result<ffi::AnyBuffer>& workspace,
                            const GroupedGemmArgs& a, bool fast, bool weight_grad, int device, const char* what,
                            CallWorkspace* w) {
-  const size_t need = workspace_bytes(a, fast, weight_grad, device);
+  const size_t sm90_bytes = fast ? sm90_scratch_bytes(a, weight_grad, device) : 0;
+  const size_t need = workspace_bytes(a.batch, a.G, sm90_bytes);
   if (workspace->size_bytes() < need)
     return invalid(std::string(what) + ": workspace of " + std::to_string(workspace->size_bytes()) +
                    " bytes, this call needs " + std::to_string(need) +
@@ -52,7 +54,7 @@ ffi::Error carve_workspace(ffi::Result<ffi::AnyBuffer>& workspace,
   w->offsets = reinterpret_cast<int32_t*>(base);
   w->tile_prefix = reinterpret_cast<int32_t*>(base + table);
   w->sm90 = base + 2 * table;
-  w->sm90_bytes = fast ? sm90_scratch_bytes(a, weight_grad, device) : 0;
+  w->sm90_bytes = sm90_bytes;
   return ffi::Error::Success();
 }
 
@@ -185,5 +187,5 @@ extern "C" int64_t turbo_moe_grouped_gemm_workspace_bytes(int64_t batch, int64_t
   a.G = groups;
   a.in_type = a.out_type = dtype == 0 ? ffi::DataType::BF16 : dtype == 1 ? ffi::DataType::F16 : ffi::DataType::F32;
   const bool fast = dtype != 2 && sm90_available() && compute_capability_major(device) == 9;
-  return static_cast<int64_t>(workspace_bytes(a, fast, weight_grad != 0, device));
+  return static_cast<int64_t>(workspace_bytes(batch, groups, fast ? sm90_scratch_bytes(a, weight_grad != 0, device) : 0));
 }
