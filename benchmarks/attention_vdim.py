@@ -1,4 +1,5 @@
-"""cuDNN flash attention for MLA's head dims: v zero-padded to d_qk (what the model does) vs v at its own width.
+"""cuDNN flash attention for MLA's head dims: v zero-padded to d_qk (what the model does) vs v at its own width, and
+all three padded to 128 (--pad-to).
 
 MLA's queries/keys are wider than its values (`reduced`: 64 + 32 = 96 vs 64). `jax.nn.dot_product_attention`
 wants one head dim for q, k and v, so `turbo_moe.model.layers.causal_attention` pads v with zeros and
@@ -30,6 +31,16 @@ def padded(q, k, v):
     out = jax.nn.dot_product_attention(q, k, v_pad, scale=q.shape[-1] ** -0.5, is_causal=True,
                                        implementation="cudnn")
     return out[..., :v.shape[-1]]
+
+
+def padded_to(width):
+    """q, k and v zero-padded to `width` (cuDNN's most-tuned head dim is 128): more FLOPs, maybe a faster kernel."""
+    def attend(q, k, v):
+        pad = lambda t: jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])])
+        out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=q.shape[-1] ** -0.5, is_causal=True,
+                                           implementation="cudnn")
+        return out[..., :v.shape[-1]]
+    return attend
 
 
 def unpadded(q, k, v):
@@ -79,6 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--dqk", type=int, default=96)
     p.add_argument("--dv", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--pad-to", type=int, default=128, help="the 'padded_to' case's head dim (0: no such case)")
     args = p.parse_args(argv)
     record = {"script": "benchmarks/attention_vdim.py", "parameters": vars(args) | {"out": str(args.out)},
               **provenance()}
@@ -88,7 +100,10 @@ def main(argv=None) -> int:
     checks = {}
     ref_out = reference(q, k, v)
     ref_grads = fwd_bwd(reference)(q, k, v, g)
-    for name, attend in (("padded", padded), ("unpadded", unpadded)):
+    cases = (("padded", padded), ("unpadded", unpadded))
+    if args.pad_to > max(args.dqk, args.dv):
+        cases += ((f"padded_to_{args.pad_to}", padded_to(args.pad_to)),)
+    for name, attend in cases:
         try:
             out = jax.jit(attend)(q, k, v).astype(jnp.float32)
             grads = fwd_bwd(attend)(q, k, v, g)
@@ -104,7 +119,7 @@ def main(argv=None) -> int:
     # causal: half the score matrix; fwd 2 matmuls (QK^T, PV), bwd 5 (dV, dP, dS->dQ, dK, and QK^T again)
     flops_fwd = args.batch * args.heads * args.seq ** 2 * (args.dqk + args.dv)  # 2 * (1/2 causal) * ...
     timings = {}
-    for name, attend in (("padded", padded), ("unpadded", unpadded)):
+    for name, attend in cases:
         if "error" in checks[name]:
             continue
         fwd = timed(jax.jit(attend), (q, k, v), args.reps)

@@ -17,7 +17,7 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
     python3 tests/gpu/sanitizer_case.py > "$OUT_DIR/sanitizer.log" 2>&1
   echo "compute-sanitizer exit code: $?" | tee -a "$OUT_DIR/sanitizer.log"
-  grep -E "ERROR SUMMARY|grouped_gemm|permute|unpermute|router_topk|Invalid|exit code" "$OUT_DIR/sanitizer.log" | head -20
+  grep -E "ERROR SUMMARY|grouped_gemm|permute|unpermute|router_topk|segment_sum|Invalid|exit code" "$OUT_DIR/sanitizer.log" | head -20
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 benchmarks/grouped_gemm.py --out "$OUT_DIR/kernels.csv" "$@" 2>&1 | tee "$OUT_DIR/bench.log" | tail -80

@@ -57,6 +57,15 @@ def main():
                for dev in (gpu, jax.devices("cpu")[0])]
         print(f"router_topk penalty {penalty} equals the CPU handler:", np.array_equal(*got))
 
+    # segment_sum: a heavy id, absent and dropped ids, vector (D = 64 bf16) and scalar (D = 13) rows
+    seg_ids = np.minimum(rng.zipf(1.2, 700) - 1, 40).astype(np.int32)
+    seg_ids[:5] = [-1, 41, 99, -3, 40]
+    for d in (64, 13):
+        data = jnp.asarray(rng.standard_normal((700, d)), jnp.bfloat16)
+        got = [np.asarray(ops.segment_sum(jax.device_put(data, dev), jax.device_put(jnp.asarray(seg_ids), dev), 41),
+                          np.float32) for dev in (gpu, jax.devices("cpu")[0])]
+        print(f"segment_sum D={d} equals the CPU handler:", np.array_equal(*got))
+
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attention")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROUTER_TOPK_IMPLS = ("xla", "kernel")
-EMBEDDING_GRADS = ("scatter", "matmul")  # turbo_moe/model/embedding.py
+EMBEDDING_GRADS = ("scatter", "matmul", "segment")  # turbo_moe/model/embedding.py
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
 # The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.

@@ -14,18 +14,21 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.model.config import EMBEDDING_GRADS
+from turbo_moe.ops.segment_sum import segment_sum
 
 # Tokens per one-hot chunk of the "matmul" backward: bounds the (chunk, V) one-hot (256 MiB bf16 at V = 32768).
 MATMUL_CHUNK_TOKENS = 4096
 
 
 def lookup(table: jax.Array, ids: jax.Array, grad: str = "matmul") -> jax.Array:
-    """table (V, D), integer ids (...) -> (..., D); `grad` picks the backward ("matmul", the model's default, or
-    "scatter": JAX's own)."""
+    """table (V, D), integer ids (...) -> (..., D); `grad` picks the backward ("matmul", the model's default;
+    "segment": `turbo_moe.ops.segment_sum`, sorted, T x D whatever V; "scatter": JAX's own)."""
     if grad == "scatter":
         return jnp.take(table, ids, axis=0)
     if grad == "matmul":
         return _lookup_matmul_grad(table, ids)
+    if grad == "segment":
+        return _lookup_segment_grad(table, ids)
     raise ValueError(f"embedding grad: expected one of {EMBEDDING_GRADS}, got {grad!r}")
 
 
@@ -59,3 +62,25 @@ def _bwd(res, g):
 
 
 _lookup_matmul_grad.defvjp(_fwd, _bwd)
+
+
+@jax.custom_vjp
+def _lookup_segment_grad(table, ids):
+    return jnp.take(table, ids, axis=0)
+
+
+def _segment_bwd(res, g):
+    from turbo_moe.model.expert_parallel import batch_summed  # here: that module imports the model's
+
+    ids, table_type, vocab = res
+    d = g.shape[-1]
+
+    def local(part_g, part_ids):  # the per-device sum on a mesh (XLA would gather the batch for the FFI call)
+        return segment_sum(part_g.reshape(-1, d), part_ids.reshape(-1), vocab)
+
+    if ids.ndim == 0:
+        return batch_summed(local)(g[None], ids[None]).astype(table_type.dtype), None
+    return batch_summed(local)(g, ids).astype(table_type.dtype), None
+
+
+_lookup_segment_grad.defvjp(_fwd, _segment_bwd)

@@ -153,6 +153,26 @@ def batch_sharded(fn: Callable, *, mesh=None) -> Callable:
     return run
 
 
+def batch_summed(fn: Callable, *, mesh=None) -> Callable:
+    """`fn(*batched)` run per device on its shard of every operand's leading (batch) axis inside `shard_map`, the
+    devices' results summed (psum), on a mesh of more than one device; `fn` itself otherwise, or when the batch does
+    not divide over the devices. For FFI reductions over the batch (the embedding's segment-sum backward), which
+    XLA's partitioner would run whole on every device after gathering the batch."""
+    n_devices = mesh_device_count(mesh)
+    if n_devices <= 1:
+        return fn
+
+    def run(*batched):
+        if batched[0].shape[0] % n_devices:
+            return fn(*batched)
+        m = _mesh_or_ambient(mesh)
+        axes = tuple(m.axis_names)
+        local = lambda *shards: jax.lax.psum(fn(*shards), axes)
+        return jax.shard_map(local, mesh=m, in_specs=tuple(P(axes) for _ in batched), out_specs=P())(*batched)
+
+    return run
+
+
 def data_parallel_moe_path(local_path: Callable, *, mesh=None):
     """A one-device MoE path run per device inside `shard_map` on a mesh without expert parallelism.
 

@@ -4,6 +4,7 @@
 - permute / unpermute: single-device dispatch/combine, each other's transposes.
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
 - router_topk: the router's group-limited top-k with the causal sequence load penalty fused in.
+- segment_sum: rows summed by id, sorted and deterministic (no atomics): drop-in for jax.ops.segment_sum.
 - ragged_exchange: pure JAX (no FFI), variable row counts between ranks by an ExchangePlan; the ragged
   layout of moe_dispatch and the model's ragged EP path use it.
 """
@@ -14,6 +15,7 @@ from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
 from turbo_moe.ops.permute import PermuteHandle, permute
 from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
 from turbo_moe.ops.router_topk import router_topk
+from turbo_moe.ops.segment_sum import segment_sum
 from turbo_moe.ops.unpermute import unpermute
 
 __all__ = [
@@ -30,4 +32,5 @@ __all__ = [
     "ragged_exchange",
     "ExchangePlan",
     "router_topk",
+    "segment_sum",
 ]

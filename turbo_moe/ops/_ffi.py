@@ -27,6 +27,7 @@ TARGETS = (
     "turbo_moe_unpermute_bwd",
     "turbo_moe_dispatch_pack",
     "turbo_moe_router_topk",
+    "turbo_moe_segment_sum",
 )
 CPU_LIBRARY = "libturbo_moe_cpu.so"
 CUDA_LIBRARY = "libturbo_moe_cuda.so"
