@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocabs", default="8192,32768,129280")
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--methods", default=None, help="comma-separated subset of the backwards (default: all)")
     args = ap.parse_args(argv)
 
     import jax
@@ -33,6 +34,10 @@ def main(argv=None) -> int:
 
     from turbo_moe.model.embedding import EMBEDDING_GRADS, lookup
 
+    methods = EMBEDDING_GRADS if args.methods is None else tuple(args.methods.split(","))
+    unknown = set(methods) - set(EMBEDDING_GRADS)
+    if unknown:
+        ap.error(f"--methods: {sorted(unknown)} not among {EMBEDDING_GRADS}")
     meta = {k: v for k, v in provenance().items() if not isinstance(v, dict)}
     rng = np.random.default_rng(0)
     g = jnp.asarray(rng.standard_normal((args.tokens, args.d_model)), jnp.bfloat16)
@@ -44,7 +49,7 @@ def main(argv=None) -> int:
         for dist, ids in ids_by.items():
             ids = jnp.asarray(ids, jnp.int32)
             grads = {}
-            for method in EMBEDDING_GRADS:
+            for method in methods:
                 fn = jax.jit(jax.grad(lambda t, i, m=method: jnp.sum(lookup(t, i, m).astype(jnp.float32)
                                                                       * g.astype(jnp.float32))))
                 grads[method] = np.asarray(fn(table, ids), np.float32)  # compiles it, untimed
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
                              "d_model": args.d_model, "zipf": args.zipf, "top_id_share": round(top, 4), **meta})
                 print(f"V={vocab} {dist} {method}: {ms:.3f} ms (top id {top:.1%} of tokens)", flush=True)
                 write_csv(rows, Path(args.out))
-            for method in (m for m in EMBEDDING_GRADS if m != "scatter"):
+            for method in (m for m in methods if m != "scatter" and "scatter" in grads):
                 diff = np.abs(grads[method] - grads["scatter"]).max() / (np.abs(grads["scatter"]).max() + 1e-30)
                 print(f"V={vocab} {dist}: {method} vs scatter max rel diff {diff:.2e}", flush=True)
     return 0

@@ -22,8 +22,6 @@ constexpr int kChunk = 2048;  // slots per chunk (steps 1 and 3)
 // int32 counts per batch element: (E + 1) buckets x chunks, + the total.
 int64_t count_table_size(int64_t slots, int64_t E) { return (E + 1) * ceil_div(slots, kChunk) + 1; }
 
-__device__ __forceinline__ int64_t ceil_div_device(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 __device__ __forceinline__ int bucket_of(int32_t id, int64_t E) {
   return (id >= 0 && id < E) ? id : static_cast<int>(E);
 }
@@ -50,7 +48,7 @@ __global__ void scan_counts_kernel(int32_t* counts, int64_t E, int64_t chunks, i
   __shared__ long long warp_sums[32];
   const int64_t b = blockIdx.x, len = (E + 1) * chunks;
   int32_t* v = counts + b * (len + 1);
-  const int64_t seg = ceil_div_device(len, blockDim.x);
+  const int64_t seg = ceil_div(len, blockDim.x);
   const int64_t lo = min64(len, threadIdx.x * seg), hi = min64(len, lo + seg);
   long long sum = 0;
   for (int64_t i = lo; i < hi; ++i) sum += v[i];
