@@ -14,23 +14,6 @@ namespace {
 constexpr int kWarps = 8;              // warps per block; each sums every kWarps-th row of a segment
 constexpr int kPositionBlocks = 1024;  // blocks over the sorted positions (per slab): each walks N / 1024
 
-constexpr int kBatch = 8;              // row loads a warp has in flight before it adds them
-
-
-// VEC elements of a row: one 16-byte load when VEC * sizeof(T) == 16, else element by element.
-template <typename T, int VEC>
-struct alignas(VEC * sizeof(T) == 16 ? 16 : alignof(T)) Vec {
-  T v[VEC];
-  __device__ __forceinline__ void load(const T* p) {
-    if constexpr (VEC * sizeof(T) == 16) {
-      *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] = p[i];
-    }
-  }
-};
-
 // First position q in [lo, hi) with ids[q] > id (ids ascending), by one thread.
 __device__ __forceinline__ int64_t segment_end(const int32_t* ids, int64_t lo, int64_t hi, int32_t id) {
   while (lo < hi) {
@@ -63,29 +46,21 @@ __global__ void __launch_bounds__(kWarps * 32) segment_sum_kernel(const T* data,
     float acc[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = 0.f;
-    // Rounds of 32 rows per warp: each lane fetches one row index, the warp then issues kBatch row loads before
-    // adding any (a long segment is latency-bound otherwise: 0.7 ms for the ~5,500 rows of a frequent token, call 61).
-    // The additions stay in row order q = p + warp, + kWarps, ...: the CPU handler's order.
-    for (int64_t base = p + warp; base < end; base += kWarps * 32) {
-      const int64_t q_lane = base + static_cast<int64_t>(kWarps) * lane;
-      const int32_t lane_row = q_lane < end ? rows[q_lane] : -1;
-      const int in_round = static_cast<int>(min64(32, ceil_div(end - base, kWarps)));
-      for (int j0 = 0; j0 < in_round; j0 += kBatch) {
-        Vec<T, VEC> vals[kBatch];
-        bool valid[kBatch];
+    if (col < D) {
+#pragma unroll 4
+      for (int64_t q = p + warp; q < end; q += kWarps) {
+        const int32_t r = rows[q];
+        if (r < 0 || r >= N) continue;  // not a permutation of [0, N): the row is skipped, never read out of bounds
+        const T* row = src + static_cast<int64_t>(r) * D + col;
+        if constexpr (VEC * sizeof(T) == 16) {
+          union { uint4 raw; T v[VEC]; } u;
+          u.raw = *reinterpret_cast<const uint4*>(row);
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int32_t r = __shfl_sync(0xffffffffu, lane_row, (j0 + u) & 31);
-          // -1: past the segment; outside [0, N): `order` is not a permutation, the row is skipped
-          valid[u] = j0 + u < in_round && r >= 0 && r < N && col < D;
-          if (valid[u]) vals[u].load(src + static_cast<int64_t>(r) * D + col);
+          for (int i = 0; i < VEC; ++i) acc[i] += to_f32(u.v[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[i] += to_f32(row[i]);
         }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-          if (valid[u]) {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) acc[i] += to_f32(vals[u].v[i]);
-          }
       }
     }
 #pragma unroll
