@@ -14,8 +14,14 @@ namespace {
 constexpr int kWarps = 8;              // warps per block; each sums every kWarps-th row of a segment
 constexpr int kPositionBlocks = 1024;  // blocks over the sorted positions (per slab): each walks N / 1024
 
-// First position q in [lo, hi) with ids[q] > id (ids ascending), by one thread.
-__device__ __forceinline__ int64_t segment_end(const int32_t* ids, int64_t lo, int64_t hi, int32_t id) {
+// First position q > p with ids[q] != id (ids ascending; N if none), by warp 0: one ballot over the next 32 ids
+// settles most segments in one load (a binary search costs ~14 dependent loads for every segment, and short
+// segments are most of them); longer segments finish with a binary search.
+__device__ __forceinline__ int64_t segment_end(const int32_t* ids, int64_t p, int64_t N, int32_t id, int lane) {
+  const int64_t q = p + 1 + lane;
+  const unsigned same = __ballot_sync(0xffffffffu, q < N && ids[q] == id);
+  if (same != 0xffffffffu) return p + 1 + (__ffs(~same) - 1);  // the same ids are a prefix: sorted
+  int64_t lo = p + 33, hi = N;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
     if (ids[mid] > id) hi = mid; else lo = mid + 1;
@@ -40,7 +46,10 @@ __global__ void __launch_bounds__(kWarps * 32) segment_sum_kernel(const T* data,
   for (int64_t p = blockIdx.x; p < N; p += gridDim.x) {
     const int32_t id = ids[p];
     if (id < 0 || id >= V || (p > 0 && ids[p - 1] == id)) continue;  // dropped, or not a segment's start
-    if (threadIdx.x == 0) end_shared = segment_end(ids, p + 1, N, id);
+    if (warp == 0) {
+      const int64_t end = segment_end(ids, p, N, id, lane);
+      if (lane == 0) end_shared = end;
+    }
     __syncthreads();
     const int64_t end = end_shared;
     float acc[VEC];

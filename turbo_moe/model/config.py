@@ -158,11 +158,12 @@ class ModelConfig:
     # Who picks the experts: "xla" (jnp: group-limited top-k, the penalty's chunk loop unrolled) or "kernel"
     # (turbo_moe.ops.router_topk: one FFI call, the penalty fused in; the same picks, the same combine weights).
     router_topk_impl: str = "xla"
-    # The token embedding's backward: "matmul" (one_hot(ids)^T @ d_hidden in token chunks, float32 accumulation,
-    # cost V x tokens x D whatever the ids; model/embedding.py) or "scatter" (JAX's scatter-add: atomics that
-    # serialise on real text's frequent tokens: at d 1280, 48-81 ms against the matmul's 1-12 ms on an H200).
-    # The matmul's V factor loses at DeepSeek-V3's vocab and width, whose preset keeps the scatter.
-    embedding_grad: str = "matmul"
+    # The token embedding's backward (model/embedding.py): "segment" (turbo_moe.ops.segment_sum: the ids sorted, each
+    # id's rows summed in float32 in a fixed order; cost tokens x D whatever V and the ids), "matmul" (one_hot(ids)^T
+    # @ d_hidden in token chunks: cost V x tokens x D) or "scatter" (JAX's scatter-add: atomics that serialise on real
+    # text's frequent tokens). H200, 16,384 tokens, Zipf ids: d 1280 0.7 / 1.1-12.7 / 51-74 ms; d 7168 x V 129,280
+    # 1.5 / 42 / 36 ms (experiments/results/embedding_grad_segment_*h200.csv).
+    embedding_grad: str = "segment"
     attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
 
     def __post_init__(self):
@@ -416,9 +417,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, rope_theta=10000.0, max_seq_len=4096, mtp_depth=1, mtp_loss_weight=0.3,
         balance_loss_weight=1e-4, router_bias_rate=1e-3, remat_policy="full", init_std=0.006,
-        # At V 129,280 x d 7168 the one-hot matmul backward costs 42 ms a lookup for 16,384 tokens and the scatter
-        # 2.3 (uniform ids) to 36 ms (Zipf ids) on an H200 (experiments/results/embedding_grad_full_width_h200.csv).
-        embedding_grad="scatter",
     ),
 }
 

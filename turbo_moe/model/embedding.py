@@ -3,10 +3,11 @@
 The gradient of `table[ids]` is a scatter-add of the B*S rows of d_hidden into the (V, D) table. XLA's GPU scatter adds
 with atomics, so rows of frequent tokens serialise: on real text (Zipf-like ids) it took 15.5 ms (embedding) and 21 ms
 (the MTP block's lookup of the same table) of a 172 ms `reduced` step on an H200 where uniform synthetic ids took
-0.2 ms (experiments/NOTES.md, issue 14, call 56). "matmul" computes the same gradient as one_hot(ids)^T @ d_hidden in
-chunks of tokens: dense, deterministic, float32-accumulated, its cost set by V x tokens x D and not by the ids'
-distribution (1.2 / 3.4 / 12 ms at V = 8192 / 32768 / 129,280 for 16,384 tokens x d 1280, against the scatter's 48-81 ms on
-Zipf ids): the default (`ModelConfig.embedding_grad`).
+0.2 ms (experiments/NOTES.md, issue 14, call 56). The other backwards are deterministic and float32-accumulated:
+"segment" (the default) sorts the ids and sums each id's rows (`turbo_moe.ops.segment_sum`): cost tokens x D, 0.4-0.7 ms
+for 16,384 tokens x d 1280 and 1.5 ms at d 7168 x V 129,280 on Zipf ids; "matmul" is one_hot(ids)^T @ d_hidden in chunks
+of tokens, cost V x tokens x D (1.1 / 3.4 / 12.7 ms at V = 8192 / 32768 / 129,280 and d 1280, 42 ms at d 7168), kept as a
+pure-XLA reference (H200, experiments/results/embedding_grad_segment_*h200.csv).
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from turbo_moe.ops.segment_sum import segment_sum
 MATMUL_CHUNK_TOKENS = 4096
 
 
-def lookup(table: jax.Array, ids: jax.Array, grad: str = "matmul") -> jax.Array:
-    """table (V, D), integer ids (...) -> (..., D); `grad` picks the backward ("matmul", the model's default;
-    "segment": `turbo_moe.ops.segment_sum`, sorted, T x D whatever V; "scatter": JAX's own)."""
+def lookup(table: jax.Array, ids: jax.Array, grad: str = "segment") -> jax.Array:
+    """table (V, D), integer ids (...) -> (..., D); `grad` picks the backward ("segment", the model's default:
+    `turbo_moe.ops.segment_sum`; "matmul": a chunked one-hot matmul; "scatter": JAX's own)."""
     if grad == "scatter":
         return jnp.take(table, ids, axis=0)
     if grad == "matmul":
