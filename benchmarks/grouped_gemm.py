@@ -247,7 +247,7 @@ def print_progress(rows, shape, routing):
 
 # ---- permute / unpermute bandwidth -------------------------------------------------------------------
 def run_permute(timer, args, rows):
-    for T, H, k, E in [(32768, 7168, 8, 256), (65536, 2048, 6, 64)]:
+    for T, H, k, E in [(32768, 7168, 8, 256), (65536, 2048, 6, 64), (16384, 1280, 6, 64)]:  # V3, V2-Lite, `reduced`
         kx, ki, kw = jax.random.split(jax.random.PRNGKey(T + H), 3)
         x = jax.random.normal(kx, (T, H), jnp.bfloat16)
         ids = jax.random.randint(ki, (T, k), 0, E, jnp.int32)

@@ -61,7 +61,8 @@ ffi::Error UnpermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::Buffer<ffi
 
 ffi::Error UnpermuteBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer d_out, ffi::AnyBuffer y,
                             ffi::Buffer<ffi::S32> row_index, ffi::Buffer<ffi::F32> weights,
-                            ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights) {
+                            ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
+                            ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/) {
   Dtype dt, g_dt;
   if (!to_dtype(y.element_type(), &dt) || d_y->element_type() != y.element_type() ||
       !to_dtype(d_out.element_type(), &g_dt))
@@ -120,4 +121,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_unpermute_bwd, turbo_moe::UnpermuteBwdIm
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
                                   .Ret<xla::ffi::AnyBuffer>()                 // d_y [..., R, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());   // d_weights [..., T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_weights [..., T, k]
+                                  .Ret<xla::ffi::AnyBuffer>());               // workspace (CUDA only; may be empty)

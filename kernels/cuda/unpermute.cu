@@ -6,8 +6,10 @@
 //                            d_y[row_index[t, j]] = weights[t, j] * d_out[t]; unreferenced rows are 0
 //                            d_weights[t, j] = <d_out[t], y[row_index[t, j]]>
 // Entries of row_index outside [0, R) contribute nothing. row_index must not repeat a row
-// (permute never does), so each d_y row has one writer. One block per token; rows move in
-// vectors of up to 16 bytes. No scratch memory: both are safe for XLA command buffers.
+// (permute never does), so each d_y row has one writer. Forward: one block per token; backward: the
+// row -> slot inverse (in a workspace result sized by turbo_moe_unpermute_bwd_workspace_bytes), then one
+// warp per d_y row. Rows move in vectors of up to 16 bytes. No XLA scratch: both are safe for XLA's
+// command buffers.
 #include "common.cuh"
 
 namespace turbo_moe {
@@ -47,51 +49,54 @@ __global__ void __launch_bounds__(kThreads) unpermute_kernel(const T* __restrict
   }
 }
 
-__device__ float block_sum(float v, float* warp_sums) {
-  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  float total = 0.f;
-  for (int i = 0; i < kThreads / 32; ++i) total += warp_sums[i];  // fixed order: deterministic
-  __syncthreads();
-  return total;
+// inverse[b][r] = the slot s = t * k + j whose row_index is r (rows are unique: permute never repeats one).
+__global__ void invert_rows_kernel(const int32_t* __restrict__ row_index, int32_t* __restrict__ inverse, int64_t R,
+                                   int64_t slots, int64_t total_slots) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total_slots) return;
+  const int32_t r = row_index[i];
+  if (r >= 0 && r < R) inverse[(i / slots) * R + r] = static_cast<int32_t>(i % slots);
 }
 
+// One warp per d_y row: every row is written once (zeros where no slot points at it, so no memset of d_y first),
+// and the row's d_weights dot product is a warp reduction (fixed order) instead of a block barrier per copy.
 template <typename TY, typename TG, int V>
-__global__ void __launch_bounds__(kThreads) unpermute_bwd_kernel(
-    const TG* __restrict__ d_out, const TY* __restrict__ y, const int32_t* __restrict__ row_index,
+__global__ void __launch_bounds__(kThreads) unpermute_bwd_rows_kernel(
+    const TG* __restrict__ d_out, const TY* __restrict__ y, const int32_t* __restrict__ inverse,
     const float* __restrict__ weights, TY* __restrict__ d_y, float* __restrict__ d_weights, int64_t R,
-    int64_t H, int64_t T_, int64_t k) {
-  __shared__ float warp_sums[kThreads / 32];
-  const int64_t bt = blockIdx.x, b = bt / T_;
-  const TG* g = d_out + bt * H;
-  const int64_t packs = H / V;
-  for (int64_t j = 0; j < k; ++j) {
-    const int32_t r = row_index[bt * k + j];
-    if (r < 0 || r >= R) {  // uniform across the block
-      if (threadIdx.x == 0) d_weights[bt * k + j] = 0.f;
-      continue;
-    }
-    const float wt = weights[bt * k + j];
-    const TY* yr = y + (b * R + r) * H;
-    TY* dyr = d_y + (b * R + r) * H;
-    float dot = 0.f;
-    for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
-      const Pack<TG, V> gv = reinterpret_cast<const Pack<TG, V>*>(g)[p];
-      const Pack<TY, V> yv = reinterpret_cast<const Pack<TY, V>*>(yr)[p];
-      Pack<TY, V> out;
+    int64_t H, int64_t T_, int64_t k, int64_t total_rows) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= total_rows) return;  // whole warps: total_rows is a warp count
+  const int64_t b = row / R, packs = H / V;
+  const int32_t s = inverse[row];
+  Pack<TY, V>* dyr = reinterpret_cast<Pack<TY, V>*>(d_y + row * H);
+  if (s < 0) {
+    Pack<TY, V> zero;
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float gf = to_f32(gv.v[i]);
-        dot = fmaf(gf, to_f32(yv.v[i]), dot);
-        out.v[i] = from_f32<TY>(wt * gf);
-      }
-      reinterpret_cast<Pack<TY, V>*>(dyr)[p] = out;
-    }
-    dot = block_sum(dot, warp_sums);
-    if (threadIdx.x == 0) d_weights[bt * k + j] = dot;
+    for (int i = 0; i < V; ++i) zero.v[i] = from_f32<TY>(0.f);
+    for (int64_t p = lane; p < packs; p += 32) dyr[p] = zero;
+    return;
   }
+  const int64_t slot = b * T_ * k + s;
+  const float wt = weights[slot];
+  const Pack<TG, V>* g = reinterpret_cast<const Pack<TG, V>*>(d_out + (b * T_ + s / k) * H);
+  const Pack<TY, V>* yr = reinterpret_cast<const Pack<TY, V>*>(y + row * H);
+  float dot = 0.f;
+  for (int64_t p = lane; p < packs; p += 32) {
+    const Pack<TG, V> gv = g[p];
+    const Pack<TY, V> yv = yr[p];
+    Pack<TY, V> out;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float gf = to_f32(gv.v[i]);
+      dot = fmaf(gf, to_f32(yv.v[i]), dot);
+      out.v[i] = from_f32<TY>(wt * gf);
+    }
+    dyr[p] = out;
+  }
+  for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
+  if (lane == 0) d_weights[slot] = dot;
 }
 
 // 16-byte packs when H and every base pointer allow it, else one element at a time.
@@ -145,20 +150,28 @@ ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi:
 
 ffi::Error UnpermuteBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyBuffer y,
                             ffi::Buffer<ffi::S32> row_index, ffi::Buffer<ffi::F32> weights,
-                            ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights) {
+                            ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
+                            ffi::Result<ffi::AnyBuffer> workspace) {
   if (!is_float_type(y.element_type()) || d_y->element_type() != y.element_type() ||
       !is_float_type(d_out.element_type()))
     return invalid("unpermute_bwd: y/d_y and d_out must be float32/bfloat16/float16");
   int64_t batch, R, H, T, k;
   if (auto err = check("unpermute_bwd", y, row_index, weights, &batch, &R, &H, &T, &k); err.failure())
     return err;
-  // Rows that no token references get no writer below: zero them first.
-  cudaMemsetAsync(d_y->untyped_data(), 0, batch * R * H * byte_width(y.element_type()), stream);
-  if (batch * T == 0 || k == 0) return last_cuda_error("unpermute_bwd");
-  if (H == 0) {
-    cudaMemsetAsync(d_weights->typed_data(), 0, batch * T * k * sizeof(float), stream);
-    return last_cuda_error("unpermute_bwd");
-  }
+  if (batch * R >= (int64_t{1} << 31)) return invalid("unpermute_bwd: batch * R must be < 2^31");
+  const size_t need = static_cast<size_t>(batch * R) * sizeof(int32_t);
+  if (workspace->size_bytes() < need)
+    return invalid("unpermute_bwd: workspace of " + std::to_string(workspace->size_bytes()) + " bytes, this call needs " +
+                   std::to_string(need) + " (turbo_moe/ops/unpermute.py sizes it with turbo_moe_unpermute_bwd_workspace_bytes)");
+  // Slots without a row (dropped copies) get no writer below: their d_weights are zero.
+  cudaMemsetAsync(d_weights->typed_data(), 0, batch * T * k * sizeof(float), stream);
+  if (batch * R == 0 || H == 0) return last_cuda_error("unpermute_bwd");
+  int32_t* inverse = static_cast<int32_t*>(workspace->untyped_data());
+  cudaMemsetAsync(inverse, 0xff, need, stream);  // -1: a row no slot points at
+  const int64_t total_slots = batch * T * k;
+  if (total_slots > 0)
+    invert_rows_kernel<<<static_cast<unsigned>(ceil_div(total_slots, 256)), 256, 0, stream>>>(
+        row_index.typed_data(), inverse, R, T * k, total_slots);
   dispatch_float(y.element_type(), [&](auto y_tag) {
     using TY = decltype(y_tag);
     dispatch_float(d_out.element_type(), [&](auto g_tag) {
@@ -166,14 +179,15 @@ ffi::Error UnpermuteBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
       const TG* g_p = static_cast<const TG*>(d_out.untyped_data());
       const TY* y_p = static_cast<const TY*>(y.untyped_data());
       TY* dy_p = static_cast<TY*>(d_y->untyped_data());
-      const unsigned blocks = static_cast<unsigned>(batch * T);
+      const int64_t rows = batch * R;
+      const unsigned blocks = static_cast<unsigned>(ceil_div(rows, kThreads / 32));
       constexpr int V = 16 / (sizeof(TY) > sizeof(TG) ? sizeof(TY) : sizeof(TG));
       if (can_pack<TY>(H, {y_p, dy_p}) && can_pack<TG>(H, {g_p}) && H % V == 0)
-        unpermute_bwd_kernel<TY, TG, V><<<blocks, kThreads, 0, stream>>>(
-            g_p, y_p, row_index.typed_data(), weights.typed_data(), dy_p, d_weights->typed_data(), R, H, T, k);
+        unpermute_bwd_rows_kernel<TY, TG, V><<<blocks, kThreads, 0, stream>>>(
+            g_p, y_p, inverse, weights.typed_data(), dy_p, d_weights->typed_data(), R, H, T, k, rows);
       else
-        unpermute_bwd_kernel<TY, TG, 1><<<blocks, kThreads, 0, stream>>>(
-            g_p, y_p, row_index.typed_data(), weights.typed_data(), dy_p, d_weights->typed_data(), R, H, T, k);
+        unpermute_bwd_rows_kernel<TY, TG, 1><<<blocks, kThreads, 0, stream>>>(
+            g_p, y_p, inverse, weights.typed_data(), dy_p, d_weights->typed_data(), R, H, T, k, rows);
     });
   });
   return last_cuda_error("unpermute_bwd");
@@ -199,5 +213,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_unpermute_bwd, turbo_moe::UnpermuteBwdIm
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
                                   .Ret<xla::ffi::AnyBuffer>()                 // d_y [..., R, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),    // d_weights [..., T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_weights [..., T, k]
+                                  .Ret<xla::ffi::AnyBuffer>(),                // workspace [..., bytes] uint8
                               {xla::ffi::Traits::kCmdBufferCompatible});
+
+// Workspace bytes of one unpermute_bwd call over `batch` leading problems of R rows (the row -> slot inverse).
+extern "C" int64_t turbo_moe_unpermute_bwd_workspace_bytes(int64_t batch, int64_t rows) {
+  return batch * rows * static_cast<int64_t>(sizeof(int32_t));
+}

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
-from turbo_moe.ops._ffi import ffi_call, match_varying
+from turbo_moe.ops._ffi import ffi_call, match_varying, workspace
 from turbo_moe.ops.permute import PermuteHandle
 
 
@@ -56,8 +56,9 @@ def _unpermute_fwd(y_sorted, row_index, weights_f32):
 def _unpermute_bwd(residuals, d_out):
     y_sorted, row_index, weights_f32 = residuals
     out = (jax.ShapeDtypeStruct(y_sorted.shape, y_sorted.dtype),
-           jax.ShapeDtypeStruct(weights_f32.shape, jnp.float32))
-    d_y, d_weights = ffi_call("turbo_moe_unpermute_bwd", out, d_out, y_sorted, row_index, weights_f32)
+           jax.ShapeDtypeStruct(weights_f32.shape, jnp.float32),
+           workspace("turbo_moe_unpermute_bwd_workspace_bytes", 1, y_sorted.shape[-2], batch=y_sorted.shape[:-2]))
+    d_y, d_weights, _ = ffi_call("turbo_moe_unpermute_bwd", out, d_out, y_sorted, row_index, weights_f32)
     return match_varying(d_y, y_sorted), None, match_varying(d_weights, weights_f32)
 
 
