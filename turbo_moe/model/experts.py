@@ -36,10 +36,36 @@ class ExpertStats(NamedTuple):
     dropped_fraction: jax.Array  # () float32: fraction of token copies dropped (0 for dropless paths)
 
 
+@jax.custom_vjp
 def swiglu_fused(h: jax.Array) -> jax.Array:
-    """silu(gate) * up for h (..., 2F) = [gate | up] -> (..., F)."""
+    """silu(gate) * up for h (..., 2F) = [gate | up] -> (..., F).
+
+    Its backward is written out: d_h = [d_gate | d_up] as one concatenate, computed in float32. Autodiff of the
+    two slices gave pad(d_gate) + pad(d_up), which XLA fused into a loop that evaluated both halves for every
+    element of d_h: 0.207 ms a `reduced` layer against a 0.116 ms floor (experiments/NOTES.md, issue 14)."""
+    return _swiglu(h)
+
+
+def _swiglu(h):
     f = h.shape[-1] // 2
     return jax.nn.silu(h[..., :f]) * h[..., f:]
+
+
+def _swiglu_fwd(h):
+    return _swiglu(h), h
+
+
+def _swiglu_bwd(h, d_act):
+    f = h.shape[-1] // 2
+    gate, up = h[..., :f].astype(jnp.float32), h[..., f:].astype(jnp.float32)
+    d = d_act.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    d_up = d * gate * sig  # d silu(g) u / du = silu(g)
+    d_gate = d * up * sig * (1 + gate * (1 - sig))  # silu'(g) = sig (1 + g (1 - sig))
+    return (jnp.concatenate([d_gate, d_up], axis=-1).astype(h.dtype),)
+
+
+swiglu_fused.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 # A grouped GEMM: (rows, w (E, K, N), group_sizes (E,) or None) -> rows @ w[expert of each row].
