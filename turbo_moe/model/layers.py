@@ -5,8 +5,11 @@ Parameters are stored in `cfg.param_dtype` (float32); matmuls run in `cfg.dtype`
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -57,14 +60,59 @@ def rope_tables(seq_len: int, rope_dim: int, theta: float) -> tuple[jax.Array, j
     return jnp.cos(angles), jnp.sin(angles)
 
 
+# RoPE and the head splits below have written-out backwards that build each gradient with one concatenate. Autodiff
+# of a split (or of rotate_half's halves) gives pad(a) + pad(b), which XLA fuses into loops that evaluate every operand
+# at every element, next to a layout change out of cuDNN: 2.0 ms a `reduced` step for the q and k/v gradients
+# (experiments/NOTES.md, issue 14, call 67).
+@jax.custom_vjp
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate the last dim of x (B, S, N, R) in half-split ("rotate_half") pairing, float32 math."""
+    return _rope(x, cos, sin, inverse=False)
+
+
+def _rope(x, cos, sin, inverse: bool):
     half = x.shape[-1] // 2
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]  # (B, S, N, R/2) each
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, S, 1, R/2)
+    sin = -sin if inverse else sin  # the rotation's transpose is the rotation by -angle
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def _rope_fwd(x, cos, sin):
+    return _rope(x, cos, sin, inverse=False), (cos, sin)
+
+
+def _rope_bwd(tables, g):
+    cos, sin = tables
+    return _rope(g, cos, sin, inverse=True), jnp.zeros_like(cos), jnp.zeros_like(sin)  # the tables are constants
+
+
+apply_rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def split_last(x: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """x split along its last dim into parts of `sizes`; the gradient is the parts' cotangents concatenated."""
+    if sum(sizes) != x.shape[-1]:
+        raise ValueError(f"split_last: sizes {sizes} must add up to the last dim {x.shape[-1]} of x {x.shape}")
+    return _split_last(x, tuple(sizes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _split_last(x, sizes):
+    return tuple(jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=-1))
+
+
+def _split_fwd(x, sizes):
+    return _split_last(x, sizes), None
+
+
+def _split_bwd(sizes, _, cotangents):
+    return (jnp.concatenate(cotangents, axis=-1),)
+
+
+_split_last.defvjp(_split_fwd, _split_bwd)
 
 
 class MLAttention(nnx.Module):
@@ -97,14 +145,14 @@ class MLAttention(nnx.Module):
             q = self.wq_b(self.q_norm(self.wq_a(x)))
         else:
             q = self.wq(x)
-        q = q.reshape(b, s, h, nope + rope)  # (B, S, H, nope+rope)
-        q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], cos, sin)], axis=-1)
+        q_nope, q_rope = split_last(q.reshape(b, s, h, nope + rope), (nope, rope))  # (B, S, H, nope), (.., rope)
+        q = jnp.concatenate([q_nope, apply_rope(q_rope, cos, sin)], axis=-1)
 
         kv_a = self.wkv_a(x)  # (B, S, kv_lora + rope)
-        c_kv, k_rope = kv_a[..., : cfg.kv_lora_rank], kv_a[..., cfg.kv_lora_rank:]
+        c_kv, k_rope = split_last(kv_a, (cfg.kv_lora_rank, rope))
         k_rope = apply_rope(k_rope[:, :, None, :], cos, sin)  # (B, S, 1, rope)
         kv = self.wkv_b(self.kv_norm(c_kv)).reshape(b, s, h, nope + vdim)  # (B, S, H, nope+v)
-        k_nope, v = kv[..., :nope], kv[..., nope:]
+        k_nope, v = split_last(kv, (nope, vdim))
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, rope))], axis=-1)  # (B, S, H, qk)
 
         out = causal_attention(q, k, v, cfg.attention_impl)  # (B, S, H, v)
