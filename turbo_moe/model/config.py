@@ -17,7 +17,7 @@ EP_EXCHANGES = ("deepep", "ragged_all_to_all")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attention")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_unpadded")  # turbo_moe/model/layers.py: causal_attention
 ROUTER_TOPK_IMPLS = ("xla", "kernel")
 EMBEDDING_GRADS = ("scatter", "matmul", "segment")  # turbo_moe/model/embedding.py
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
@@ -164,7 +164,9 @@ class ModelConfig:
     # text's frequent tokens). H200, 16,384 tokens, Zipf ids: d 1280 0.7 / 1.1-12.7 / 51-74 ms; d 7168 x V 129,280
     # 1.5 / 42 / 36 ms (experiments/results/embedding_grad_segment_*h200.csv).
     embedding_grad: str = "segment"
-    attention_impl: str = "auto"  # jax.nn.dot_product_attention implementation: auto -> None
+    # "auto" (cuDNN on the GPU for bf16/f16, else XLA), "xla", "cudnn", or "cudnn_unpadded" (cuDNN with v at its own
+    # width through JAX's private cuDNN entry point: no v pad; GPU only, elsewhere "auto"; layers.causal_attention)
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         _validate(self)

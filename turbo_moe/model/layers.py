@@ -6,6 +6,7 @@ Parameters are stored in `cfg.param_dtype` (float32); matmuls run in `cfg.dtype`
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -169,9 +170,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax
     q, k (B, S, H, Dqk); v (B, S, H, Dv) -> (B, S, H, Dv). jax.nn.dot_product_attention needs one head
     dim for q, k and v, so the smaller side is zero-padded (zeros change neither scores nor outputs) and
     the result sliced; the scale stays 1/sqrt(Dqk). impl "auto": cuDNN flash attention on GPU for
-    bf16/f16 when cuDNN accepts the shapes, XLA otherwise.
+    bf16/f16 when cuDNN accepts the shapes, XLA otherwise. "cudnn_unpadded": cuDNN with v at its own width
+    through JAX's private cuDNN entry point (`_cudnn_unpadded`), on the GPU; elsewhere (or without that
+    entry point, said once) as "auto".
     """
     d_qk, d_v = q.shape[-1], v.shape[-1]
+    if impl == "cudnn_unpadded" and d_qk != d_v and _cudnn_applies(q):
+        unpadded = _cudnn_unpadded()
+        if unpadded is not None:
+            q, k, v = (checkpoint_name(t, ATTENTION_SAVE_NAME) for t in (q, k, v))
+            return unpadded(q, k, v, d_qk ** -0.5)
+    if impl == "cudnn_unpadded":
+        impl = "auto"
     width = max(d_qk, d_v)
     pad = lambda t: t if t.shape[-1] == width else jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])])
     # Named: the remat policy "dots_experts_attention" keeps the kernel's inputs, which the backward reads, instead
@@ -181,12 +191,30 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax
         q, k, v, scale=d_qk ** -0.5, is_causal=True, implementation=implementation)
     if impl != "auto":
         return attend(impl)[..., :d_v]
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    if _cudnn_applies(q):
         try:
             return attend("cudnn")[..., :d_v]
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # shapes or cuDNN version not supported: fall back to XLA
     return attend("xla")[..., :d_v]
+
+
+def _cudnn_applies(q: jax.Array) -> bool:
+    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_unpadded():
+    """JAX's own cuDNN attention entry point, which takes v narrower than q and k (jax.nn.dot_product_attention
+    checks one head dim for all three); it saves the v pad, its slice and a sixth of the kernel's work at MLA's
+    head dims (experiments/NOTES.md, issue 14). Private: None, with a warning, on a JAX without it."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+    except ImportError as error:
+        warnings.warn(f"attention_impl='cudnn_unpadded': this JAX ({jax.__version__}) has no "
+                      f"jax._src.cudnn.fused_attention_stablehlo ({error}); v is padded instead", RuntimeWarning)
+        return None
+    return lambda q, k, v, scale: dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL)
 
 
 class SwiGLU(nnx.Module):
