@@ -33,20 +33,28 @@ def _one_device_and_sharded(cfg, seed):
     return reference, compiled, args
 
 
+def _assert_every_call_is_local(compiled, target: str, local_shape: str):
+    """Each `target` FFI call in the compiled step takes one device's share (`local_shape`), not the global batch."""
+    calls = [ln for ln in compiled.as_text().splitlines() if f'custom_call_target="{target}"' in ln]
+    assert calls and all(local_shape in ln for ln in calls), calls[:1]
+
+
+def _assert_grads_match(grads, ref_grads):
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+
+
 @pytest.mark.parametrize("path", ["turbo", "dense_cf"])
 def test_data_parallel_moe_runs_per_device_and_matches_one_device(path):
     cfg = micro_config(moe_path=path, dtype="float32", capacity_factor=1.0)
     ((ref_loss, ref_metrics), ref_grads), compiled, args = _one_device_and_sharded(cfg, seed=0)
     if path == "turbo":
-        local_tokens = 8 // 4 * cfg.max_seq_len
-        permutes = [ln for ln in compiled.as_text().splitlines() if 'custom_call_target="turbo_moe_permute"' in ln]
-        assert permutes and all(f"[{local_tokens},{cfg.d_model}]" in ln for ln in permutes), permutes[:1]
+        _assert_every_call_is_local(compiled, "turbo_moe_permute", f"[{8 // 4 * cfg.max_seq_len},{cfg.d_model}]")
     (loss, metrics), grads = compiled(*args)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
     np.testing.assert_allclose(metrics["expert_load"], ref_metrics["expert_load"])
     np.testing.assert_allclose(metrics["dropped_fraction"], ref_metrics["dropped_fraction"], rtol=1e-6)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+    _assert_grads_match(grads, ref_grads)
 
 
 def test_the_router_kernel_runs_per_device_and_matches_one_device():
@@ -55,9 +63,7 @@ def test_the_router_kernel_runs_per_device_and_matches_one_device():
     cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0, router_topk_impl="kernel",
                        router_seq_load_penalty=0.1, router_seq_load_chunk=4, router_center_causal=True)
     ((ref_loss, ref_metrics), _), compiled, args = _one_device_and_sharded(cfg, seed=1)
-    calls = [ln for ln in compiled.as_text().splitlines() if 'custom_call_target="turbo_moe_router_topk"' in ln]
-    local = f"f32[{8 // 4},{cfg.max_seq_len},{cfg.n_experts}]"
-    assert calls and all(local in ln for ln in calls), calls[:1]
+    _assert_every_call_is_local(compiled, "turbo_moe_router_topk", f"f32[{8 // 4},{cfg.max_seq_len},{cfg.n_experts}]")
     (loss, metrics), _ = compiled(*args)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
     np.testing.assert_allclose(metrics["expert_load"], ref_metrics["expert_load"])
@@ -68,10 +74,7 @@ def test_the_segment_embedding_backward_sums_per_device_and_matches_one_device()
     XLA's partitioner would run on the gathered global batch; the gradients are the one-device ones."""
     cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0, embedding_grad="segment")
     ((ref_loss, _), ref_grads), compiled, args = _one_device_and_sharded(cfg, seed=2)
-    calls = [ln for ln in compiled.as_text().splitlines() if 'custom_call_target="turbo_moe_segment_sum"' in ln]
-    local = f"f32[{8 // 4 * cfg.max_seq_len},{cfg.d_model}]"
-    assert calls and all(local in ln for ln in calls), calls[:1]
+    _assert_every_call_is_local(compiled, "turbo_moe_segment_sum", f"f32[{8 // 4 * cfg.max_seq_len},{cfg.d_model}]")
     (loss, _), grads = compiled(*args)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+    _assert_grads_match(grads, ref_grads)
