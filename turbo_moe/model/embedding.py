@@ -79,8 +79,8 @@ def _segment_bwd(res, g):
     def local(part_g, part_ids):  # the per-device sum on a mesh (XLA would gather the batch for the FFI call)
         return segment_sum(part_g.reshape(-1, d), part_ids.reshape(-1), vocab)
 
-    if ids.ndim == 0:
-        return batch_summed(local)(g[None], ids[None]).astype(table_type.dtype), None
+    if ids.ndim == 0:  # one id: give it the batch axis that batch_summed splits
+        g, ids = g[None], ids[None]
     return batch_summed(local)(g, ids).astype(table_type.dtype), None
 
 
