@@ -124,3 +124,14 @@ def test_no_whole_batch_logits_in_the_compiled_step():
     assert "f32[2,16,300]" in compiled_text(cfg)  # (B, S, V) float32 logits
     chunked = compiled_text(cfg.replace(loss_chunk_tokens=10))
     assert "f32[2,16,300]" not in chunked and "f32[2,5,300]" in chunked  # one chunk's (B, 5, V)
+
+
+def test_one_pass_logsumexp_matches_two_pass():
+    from turbo_moe.model.chunked_loss import _logsumexp
+
+    logits = jax.random.normal(jax.random.key(3), (3, 5, 1000), jnp.float32) * 30.0
+    logits = logits.at[0].add(1e4).at[1, :, 7:].set(-jnp.inf)  # large offsets; rows masked down to 7 entries
+    logits = logits.at[2, 0].set(-jnp.inf)  # a row of nothing: -inf, not nan
+    got, want = jax.jit(_logsumexp)(logits), jax.nn.logsumexp(logits, axis=-1)
+    assert got.shape == (3, 5) and got[2, 0] == -jnp.inf and not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=2e-6)

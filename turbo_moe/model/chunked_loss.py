@@ -9,7 +9,8 @@ recomputed, and the backward only scales the two by the incoming cotangent.
 Numerics: the loss is the unchunked one up to float32 summation order. The head's backward matmuls take
 dL/dlogits in the compute dtype (bf16 by default) with float32 accumulation, like every other layer's
 backward; the unchunked path multiplies the float32 dL/dlogits by the bf16 operands upcast to float32.
-dL/dhead (and dL/dbias of an optional float32 head bias) is accumulated over the chunks in float32.
+dL/dhead (and dL/dbias of an optional float32 head bias, an extra row of the same GEMM) is accumulated over the
+chunks in float32. The log-sum-exp is one pass over each chunk's logits (a running max and rescaled sum).
 """
 
 from __future__ import annotations
@@ -80,9 +81,24 @@ def _chunk_logits(h, weight, bias, vocab_major):
     return logits if bias is None else logits + bias
 
 
+def _logsumexp(logits):
+    """(B, P, V) float32 -> (B, P): log-sum-exp in one pass over the logits (a running max and a sum rescaled
+    to it, combined pairwise), where `jax.nn.logsumexp` reads them twice (max, then sum): the logits of a
+    chunk are 512 MiB at 4096 tokens x V 32768, and these passes were ~30% of the head's time (issue 14)."""
+    def combine(a, b):
+        (m_a, s_a), (m_b, s_b) = a, b
+        m = jnp.maximum(m_a, m_b)
+        safe = jnp.where(m == -jnp.inf, 0.0, m)  # both sides empty (-inf): no nan from -inf - -inf
+        return m, s_a * jnp.exp(m_a - safe) + s_b * jnp.exp(m_b - safe)
+
+    init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0.0, logits.dtype))
+    m, total = jax.lax.reduce((logits, jnp.ones_like(logits)), init, combine, (logits.ndim - 1,))
+    return m + jnp.log(total)
+
+
 def _nll(logits, targets):
     """(B, P, V) float32, (B, P) -> (B, P) negative log-likelihoods, and the log-sum-exp."""
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = _logsumexp(logits)
     return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
 
 
@@ -106,30 +122,47 @@ def _cross_entropy(hidden, weight, bias, targets, mask, static):
     return total / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+# With a head bias, dL/dbias is the column sum of dL/dlogits: one more row of the dL/dhead GEMM, whose lhs gets a
+# ones column (and zeros to keep rows 16-byte aligned). Summed in the elementwise pass instead, that column
+# reduction made the pass ~1.7x its bytes' time (issue 14).
+_BIAS_COLUMNS = 8
+
+
+def _with_ones_column(h):
+    """(B, P, D) -> (B, P, D + 8): h, a ones column, zeros."""
+    ones = jnp.ones(h.shape[:-1] + (1,), h.dtype)
+    return jnp.concatenate([h, ones, jnp.zeros(h.shape[:-1] + (_BIAS_COLUMNS - 1,), h.dtype)], axis=-1)
+
+
 def _cross_entropy_fwd(hidden, weight, bias, targets, mask, static):
     """Loss and its gradients in one pass over the chunks; the gradients are the residuals."""
     chunk_tokens, vocab_major, _, _ = static
     _, grad_hidden_eq, grad_weight_eq = _equations(vocab_major)
     inv_count = 1.0 / jnp.maximum(jnp.sum(mask), 1.0)
+    d = hidden.shape[-1]
 
     def body(carry, xs):
-        total, grad_weight, grad_bias = carry
+        total, grad_weight = carry
         h, t, m = xs
         logits = _chunk_logits(h, weight, bias, vocab_major)  # (B, P, V) float32
         nll, lse = _nll(logits, t)
         # d(sum m * nll / count) / dlogits = (softmax - onehot(target)) * m / count
         grad_logits = (jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
                        ) * (m * inv_count)[..., None]
-        if bias is not None:  # the bias gradient from the float32 dL/dlogits, before their rounding
-            grad_bias = grad_bias + jnp.sum(grad_logits, axis=(0, 1))
         grad_logits = grad_logits.astype(h.dtype)  # backward matmuls in the compute dtype, float32 accumulation
         grad_h = jnp.einsum(grad_hidden_eq, grad_logits, weight.astype(h.dtype), preferred_element_type=jnp.float32)
-        grad_weight = grad_weight + jnp.einsum(grad_weight_eq, h, grad_logits, preferred_element_type=jnp.float32)
-        return (total + jnp.sum(nll * m), grad_weight, grad_bias), grad_h
+        lhs = h if bias is None else _with_ones_column(h)  # + dL/dbias as the GEMM's row d
+        grad_weight = grad_weight + jnp.einsum(grad_weight_eq, lhs, grad_logits, preferred_element_type=jnp.float32)
+        return (total + jnp.sum(nll * m), grad_weight), grad_h
 
-    grad_bias0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32), grad_bias0)
-    (total, grad_weight, grad_bias), grad_h = jax.lax.scan(body, init, _split(hidden, targets, mask, chunk_tokens))
+    rows = d if bias is None else d + _BIAS_COLUMNS
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((weight.shape[0], rows) if vocab_major else (rows, weight.shape[1]),
+                                                  jnp.float32))
+    (total, grad_weight), grad_h = jax.lax.scan(body, init, _split(hidden, targets, mask, chunk_tokens))
+    grad_bias = None
+    if bias is not None:
+        grad_bias = grad_weight[:, d] if vocab_major else grad_weight[d]
+        grad_weight = grad_weight[:, :d] if vocab_major else grad_weight[:d]
     return total * inv_count, (_from_chunks(grad_h, hidden.shape[1]), grad_weight, grad_bias)
 
 

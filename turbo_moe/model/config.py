@@ -20,6 +20,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attenti
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_unpadded")  # turbo_moe/model/layers.py: causal_attention
 ROUTER_TOPK_IMPLS = ("xla", "kernel")
 EMBEDDING_GRADS = ("scatter", "matmul", "segment")  # turbo_moe/model/embedding.py
+EXPERT_BACKWARDS = ("autodiff", "block")  # turbo_moe/model/expert_block.py
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
 # The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.
@@ -167,6 +168,10 @@ class ModelConfig:
     # "auto" (cuDNN on the GPU for bf16/f16, else XLA), "xla", "cudnn", or "cudnn_unpadded" (cuDNN with v at its own
     # width through JAX's private cuDNN entry point: no v pad; GPU only, elsewhere "auto"; layers.causal_attention)
     attention_impl: str = "auto"
+    # The routed experts' backward on the paths with the permute exchange (turbo, pallas), one device or data parallel:
+    # "autodiff" (each op's own VJP) or "block" (model/expert_block.py: one VJP over permute -> experts -> unpermute
+    # that keeps neither the permuted rows nor the down GEMM's output for the backward pass).
+    expert_backward: str = "autodiff"
 
     def __post_init__(self):
         _validate(self)
@@ -324,6 +329,8 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
     _require(c.embedding_grad in EMBEDDING_GRADS, "embedding_grad",
              f"got {c.embedding_grad!r}; expected one of {EMBEDDING_GRADS}")
+    _require(c.expert_backward in EXPERT_BACKWARDS, "expert_backward",
+             f"got {c.expert_backward!r}; expected one of {EXPERT_BACKWARDS}")
     _require(c.router_topk_impl in ROUTER_TOPK_IMPLS, "router_topk_impl",
              f"got {c.router_topk_impl!r}; expected one of {ROUTER_TOPK_IMPLS}")
     _require(c.head_bias in HEAD_BIASES, "head_bias", f"got {c.head_bias!r}; expected one of {HEAD_BIASES}")

@@ -47,6 +47,11 @@ def permute_exchange(tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
     """turbo_moe.ops.permute -> ffn -> unpermute (the weighted sum over a token's copies is fused in)."""
     from turbo_moe import ops  # imported here so the other exchanges work without the FFI library
 
+    if getattr(ffn, "block", False):  # paths.ExpertFfn with ModelConfig.expert_backward == "block"
+        from turbo_moe.model.expert_block import expert_block
+
+        y, group_sizes = expert_block(tokens, expert_ids, combine_w, ffn.weights, n_experts, ffn.gemm)
+        return y, group_sizes.sum()
     with jax.named_scope("permute"):
         rows, group_sizes, handle = ops.permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,)
     out_rows = ffn(rows, group_sizes)  # (T*k, D)

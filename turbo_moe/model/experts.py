@@ -78,7 +78,8 @@ EXPERT_SAVE_NAMES = ("moe_expert_rows", "moe_expert_gate_up", "moe_expert_down",
                      "moe_expert_act")
 
 
-def _named(x: jax.Array, name: str) -> jax.Array:
+def saved(x: jax.Array, name: str) -> jax.Array:
+    """x named `name` for the remat policies, behind an optimization barrier."""
     # The barrier keeps XLA's dynamic-slice fusion from wrapping a *clone* of the FFI call that made x
     # around the write into the scan's stacked residuals (it did: every saved grouped GEMM ran twice in
     # the forward pass; experiments/NOTES.md, issue 14). Values are unchanged.
@@ -91,15 +92,15 @@ def expert_ffn(rows: jax.Array, weights: ExpertWeights, group_sizes: jax.Array |
 
     rows (M, D) sorted by expert with group_sizes (E,) rows each (or (E, ..., D) slots and None for the
     batched einsum) -> (M, D) (or (E, ..., D)). gate and up are one GEMM to 2F (fused weights)."""
-    rows = _named(rows, EXPERT_SAVE_NAMES[0])
+    rows = saved(rows, EXPERT_SAVE_NAMES[0])
     if group_sizes is not None:  # the grouped GEMMs' backward reads them: saved, the permute need not run again
-        group_sizes = _named(group_sizes, EXPERT_SAVE_NAMES[3])
+        group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
     with jax.named_scope("grouped_gemm"):
-        h = _named(gemm(rows, weights.w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (M, 2F)
+        h = saved(gemm(rows, weights.w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (M, 2F)
     with jax.named_scope("swiglu"):
         act = checkpoint_name(swiglu_fused(h), EXPERT_SAVE_NAMES[4])  # (M, F); saved: not recomputed for the backward
     with jax.named_scope("grouped_gemm"):
-        return _named(gemm(act, weights.w_down, group_sizes), EXPERT_SAVE_NAMES[2])  # (M, D)
+        return saved(gemm(act, weights.w_down, group_sizes), EXPERT_SAVE_NAMES[2])  # (M, D)
 
 
 def routed_load(expert_ids: jax.Array, n_experts: int) -> jax.Array:

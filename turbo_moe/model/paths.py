@@ -80,25 +80,35 @@ def build_exchange(row: PathRow, **params) -> exchanges.Exchange:
 
 
 def run_exchange(exchange: exchanges.Exchange, gemm: str, x: jax.Array, expert_ids: jax.Array,
-                 combine_w: jax.Array, weights: ExpertWeights, n_experts: int) -> tuple[jax.Array, jax.Array]:
+                 combine_w: jax.Array, weights: ExpertWeights, n_experts: int,
+                 expert_backward: str = "autodiff") -> tuple[jax.Array, jax.Array]:
     """x (B, S, D), expert_ids / combine_w (B, S, k) -> (y (B, S, D), copies computed () int32)."""
     b, s, d = x.shape
     k = expert_ids.shape[-1]
-    ffn = functools.partial(_ffn, weights=weights, gemm=GEMMS[gemm])
+    ffn = ExpertFfn(weights, GEMMS[gemm], expert_backward == "block")
     y, computed = exchange(x.reshape(b * s, d), expert_ids.reshape(b * s, k),
                            combine_w.reshape(b * s, k).astype(jnp.float32), n_experts, ffn)
     return y.reshape(b, s, d), computed
 
 
-def _ffn(rows, group_sizes, *, weights, gemm):
-    return expert_ffn(rows, weights, group_sizes, gemm)
+class ExpertFfn(NamedTuple):
+    """The exchanges' `ffn(rows, group_sizes)`: `experts.expert_ffn` with these weights and grouped GEMM.
+    With `block`, the permute exchange runs permute -> experts -> unpermute as `expert_block.expert_block`."""
+
+    weights: ExpertWeights
+    gemm: Callable
+    block: bool = False
+
+    def __call__(self, rows, group_sizes):
+        return expert_ffn(rows, self.weights, group_sizes, self.gemm)
 
 
 MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, ExpertStats]"]
 
 
-def moe_path_fn(moe_path: str, capacity_factor: float) -> MoEPath:
-    """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`."""
+def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "autodiff") -> MoEPath:
+    """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`; `expert_backward`:
+    `ModelConfig.expert_backward` (paths with the permute exchange)."""
     row = path_row(moe_path)
 
     def run(x: jax.Array, routing: Routing, weights: ExpertWeights) -> tuple[jax.Array, ExpertStats]:
@@ -107,7 +117,7 @@ def moe_path_fn(moe_path: str, capacity_factor: float) -> MoEPath:
         k = routing.expert_ids.shape[-1]
         exchange = build_exchange(row, seq_len=s, capacity_factor=capacity_factor)
         y, computed = run_exchange(exchange, row.gemm, x, routing.expert_ids, routing.weights,
-                                   weights.astype(x.dtype), weights.n_experts)
+                                   weights.astype(x.dtype), weights.n_experts, expert_backward)
         dropped = 1.0 - computed.astype(jnp.float32) / (b * s * k)
         return y, ExpertStats(routed_load(routing.expert_ids, weights.n_experts), dropped)
 

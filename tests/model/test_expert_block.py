@@ -1,0 +1,117 @@
+"""ModelConfig.expert_backward = "block" (`turbo_moe.model.expert_block`): one custom VJP over permute -> experts ->
+unpermute. Its outputs and gradients equal the float32 reference and the ops' own VJPs (dropped copies, experts with
+no rows, token counts that are not multiples of 8, skewed routing), and it keeps neither the permuted rows nor the
+down GEMM's output for the backward pass, without running any grouped GEMM twice."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.model.conftest import micro_config, requires_turbo
+from tests.model.path_cases import fake_pallas  # noqa: F401  (a fixture)
+from tests.model.test_moe_paths import (TOLERANCE, make_case, path_loss_and_grads, reference_experts,
+                                        reference_loss_and_grads)
+from turbo_moe.model import DeepSeekModel, ExpertWeights, get_config, lm_loss, moe_path_fn
+from turbo_moe.model.gemms import GEMMS
+from turbo_moe.model.paths import ExpertFfn
+
+pytestmark = requires_turbo
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("path", ["turbo", "pallas"])
+def test_block_matches_reference_outputs_and_grads(path, dtype, request):
+    if path == "pallas":
+        if dtype == jnp.float32:
+            pytest.skip("the Pallas Mosaic-GPU GEMM computes in bfloat16/float16")
+        request.getfixturevalue("fake_pallas")
+    x, routing, weights, cotangent = make_case()
+    fn = moe_path_fn(path, float(weights.n_experts), expert_backward="block")
+    y, _ = jax.jit(fn)(x.astype(dtype), routing, weights)
+    np.testing.assert_allclose(np.asarray(y, np.float32), reference_experts(x.astype(dtype), routing, weights),
+                               **TOLERANCE[dtype])
+    got = path_loss_and_grads(fn, x, routing, weights, cotangent, dtype)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(reference_loss_and_grads(dtype))):
+        scale = float(jnp.max(jnp.abs(w))) or 1.0
+        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, **TOLERANCE[dtype])
+
+
+def _exchange(block: bool):
+    from turbo_moe.model.exchanges import permute_exchange
+
+    def run(tokens, ids, combine_w, w_gu, w_down):
+        ffn = ExpertFfn(ExpertWeights(w_gu, w_down), GEMMS["turbo"], block)
+        return permute_exchange(tokens, ids, combine_w, w_gu.shape[0], ffn)
+    return run
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed", "dropped"])
+def test_block_equals_the_ops_own_vjps(routing):
+    t, k, d, f, e = 13, 3, 24, 12, 6  # T*k = 39 rows: no multiple of 8
+    keys = jax.random.split(jax.random.key(7), 6)
+    tokens = jax.random.normal(keys[0], (t, d))
+    ids = jax.random.randint(keys[1], (t, k), 0, e)
+    if routing == "skewed":  # every copy on experts 0 and 1: four experts get no rows
+        ids = jnp.where(jnp.arange(k) == 0, 0, 1) * jnp.ones((t, 1), jnp.int32)
+    if routing == "dropped":  # ids outside [0, E) drop their copies; token 0 loses all of them
+        ids = ids.at[0].set(-1).at[3, 1].set(e).at[5, 2].set(e + 3)
+    combine_w = jax.random.uniform(keys[2], (t, k), minval=0.1, maxval=1.0)
+    w_gu = jax.random.normal(keys[3], (e, d, 2 * f)) * 0.3
+    w_down = jax.random.normal(keys[4], (e, f, d)) * 0.3
+    cot = jax.random.normal(keys[5], (t, d))
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0] * cot)
+
+    args = (tokens, ids, combine_w, w_gu, w_down)
+    argnums = (0, 2, 3, 4)
+    (y_ref, n_ref), (y, n) = (jax.jit(_exchange(b))(*args) for b in (False, True))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+    assert int(n) == int(n_ref)
+    want = jax.jit(jax.grad(loss(_exchange(False)), argnums))(*args)
+    got = jax.jit(jax.grad(loss(_exchange(True)), argnums))(*args)
+    for name, g, w in zip(("tokens", "combine_w", "w_gate_up", "w_down"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+    if routing == "dropped":
+        assert np.all(np.asarray(got[0][0]) == 0) and np.all(np.asarray(got[1][0]) == 0)  # dropped: no gradient
+        assert float(got[1][3, 1]) == 0.0 and float(got[1][5, 2]) == 0.0
+
+
+def _step(cfg):
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    batch = {k: v for k, v in zip(("inputs", "targets"), (jnp.arange(32).reshape(2, 16) % cfg.vocab_size,) * 2)}
+    loss = lambda s: lm_loss(nnx.merge(graphdef, s), batch)[0]
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(state).compile()
+    return compiled(state), compiled
+
+
+def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes():
+    base = dict(moe_path="turbo", remat_policy="dots_experts_attention", dtype="float32")
+    (ref_loss, ref_grads), ref_compiled = _step(micro_config(**base))
+    (loss, grads), compiled = _step(micro_config(**base, expert_backward="block"))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    gemm_calls = lambda c: len(re.findall(r'custom_call_target="turbo_moe_grouped_gemm"', c.as_text()))
+    assert gemm_calls(compiled) == gemm_calls(ref_compiled) == 8  # 2 MoE blocks x (2 forward + 2 data gradient)
+    # the autodiff step keeps the permuted rows and the down output of both MoE blocks; the block keeps neither
+    temp = lambda c: c.memory_analysis().temp_size_in_bytes
+    assert temp(compiled) < temp(ref_compiled), (temp(compiled), temp(ref_compiled))
+
+
+def test_bad_expert_backward_and_shapes():
+    with pytest.raises(ValueError, match="expert_backward.*'fused'.*expected one of"):
+        get_config("tiny", expert_backward="fused")
+    from turbo_moe.model.expert_block import expert_block
+
+    weights = ExpertWeights(jnp.zeros((4, 8, 6)), jnp.zeros((4, 3, 8)))
+    with pytest.raises(ValueError, match=r"combine_w must be \(T, k\)"):
+        expert_block(jnp.zeros((5, 8)), jnp.zeros((5, 2), jnp.int32), jnp.zeros((5, 3)), weights, 4, GEMMS["turbo"])
+    with pytest.raises(TypeError, match="expert_ids"):
+        expert_block(jnp.zeros((5, 8)), jnp.zeros((5, 2)), jnp.zeros((5, 2)), weights, 4, GEMMS["turbo"])

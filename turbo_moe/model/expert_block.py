@@ -1,0 +1,114 @@
+"""The permute exchange's whole expert block as one custom VJP (`ModelConfig.expert_backward = "block"`):
+permute -> gate/up grouped GEMM -> SwiGLU -> down grouped GEMM -> unpermute.
+
+Why: differentiated piece by piece, the block keeps two (T*k, D) tensors for its backward pass: the permuted rows
+(the gate/up weight gradient reads them) and the down GEMM's output y (unpermute's backward reads it for the
+combine weights' gradient). Inside a layer scan XLA copies each into the scan's residual stacks (252 MB a layer at
+`reduced`, ~1.8 ms a step each) and the backward reads y once more. Here neither is kept:
+  - the permuted rows are gathered again from the block's input tokens (a gather that writes them, no stack copy);
+  - with y = act @ W, out = sum_j w_j y_j and g = dL/dout, the combine weights' gradient comes from the down GEMM's
+    data gradient run on the *unweighted* rows of g:  G = g @ W^T,  d_w = <act, G>,  d_act = w * G,
+    dW = (w * act)^T @ g  -- the same sums as <y, g>, (w g) @ W^T and act^T (w g), without y.
+What the backward reads from the forward: h (gate/up output), act, the routing's row index and group sizes
+(all named for the remat policies, as `experts.expert_ffn` names them), the tokens and the combine weights.
+
+The grouped GEMM is any differentiable `GroupedGemm` (the turbo FFI kernel, the Pallas one); the permute and
+unpermute are the turbo_moe.ops FFI calls. Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g)
+rounded, then @ W^T); d_w sums act * G in float32 (the pieces: y * g). Both bf16-close, not bit-equal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from turbo_moe.model.experts import EXPERT_SAVE_NAMES, ExpertWeights, GroupedGemm, saved, swiglu_fused
+from turbo_moe.ops import _checks
+from turbo_moe.ops._ffi import match_varying
+from turbo_moe.ops.permute import ROW_INDEX_NAME, _permute_call
+from turbo_moe.ops.unpermute import unpermute_call
+
+
+def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array, weights: ExpertWeights,
+                 n_experts: int, gemm: GroupedGemm) -> tuple[jax.Array, jax.Array]:
+    """tokens (T, D), expert_ids (T, k) (ids outside [0, E) drop the copy), combine_w (T, k) float32 ->
+    (y (T, D) = sum_j combine_w[t, j] * expert_{ids[t, j]}(tokens[t]), group_sizes (E,) int32)."""
+    _checks.check_rank("tokens", tokens, 2, "(T, D)")
+    _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
+    _checks.check_integer("expert_ids", expert_ids)
+    if expert_ids.shape[0] != tokens.shape[0] or combine_w.shape != expert_ids.shape:
+        raise ValueError(f"expert_ids and combine_w must be (T, k) with T = {tokens.shape[0]} like tokens (T, D), "
+                         f"got {expert_ids.shape} and {combine_w.shape}")
+    ids = _checks.index_as_int32(expert_ids, n_experts)
+    return _block(tokens, ids, combine_w.astype(jnp.float32), weights.w_gate_up, weights.w_down, n_experts, gemm)
+
+
+def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
+    with jax.named_scope("permute"):
+        rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts)[:3]
+    group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
+    with jax.named_scope("grouped_gemm"):
+        h = saved(gemm(rows, w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
+    with jax.named_scope("swiglu"):
+        act = checkpoint_name(swiglu_fused(h), EXPERT_SAVE_NAMES[4])  # (T*k, F)
+    with jax.named_scope("grouped_gemm"):
+        y_rows = gemm(act, w_down, group_sizes)  # (T*k, D): not kept for the backward
+    with jax.named_scope("unpermute"):
+        y = unpermute_call(y_rows, row_index, combine_w)
+    return y, group_sizes, (h, act, checkpoint_name(row_index, ROW_INDEX_NAME))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _block(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
+    y, group_sizes, _ = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm)
+    return y, group_sizes
+
+
+def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
+    y, group_sizes, (h, act, row_index) = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm)
+    return (y, group_sizes), (tokens, combine_w, w_gate_up, w_down, group_sizes, h, act, row_index)
+
+
+def _slot_of_rows(row_index: jax.Array) -> jax.Array:
+    """(T, k) row of each copy -> (T*k,) copy (t * k + j) of each row, -1 for rows no copy fills."""
+    n = row_index.size
+    rows = jnp.where(row_index >= 0, row_index, n).reshape(-1)  # -1 (dropped) -> out of range, then dropped
+    return jnp.full((n,), -1, jnp.int32).at[rows].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+
+
+def _block_bwd(n_experts, gemm, residuals, cotangents):
+    tokens, combine_w, w_gate_up, w_down, group_sizes, h, act, row_index = residuals
+    d_y = cotangents[0]  # (T, D); group_sizes are integers
+    k = row_index.shape[-1]
+    with jax.named_scope("unpermute"):
+        slot = _slot_of_rows(row_index)
+        filled = slot >= 0
+        token = jnp.where(filled, slot // k, 0)
+        w_rows = jnp.where(filled, combine_w.reshape(-1)[jnp.maximum(slot, 0)], 0.0)[:, None]  # (T*k, 1) f32
+        g_rows = jnp.where(filled[:, None], d_y[token], 0).astype(act.dtype)  # unweighted rows of g
+        act_w = (act.astype(jnp.float32) * w_rows).astype(act.dtype)
+    with jax.named_scope("grouped_gemm"):
+        _, down_vjp = jax.vjp(lambda a, w: gemm(a, w, group_sizes), act_w, w_down)
+        g_act, d_w_down = down_vjp(g_rows)  # g @ W^T (it does not depend on act_w) and (w act)^T @ g
+    with jax.named_scope("unpermute"):
+        d_w_rows = jnp.sum(act.astype(jnp.float32) * g_act.astype(jnp.float32), axis=-1)  # <y, g> per row
+        d_combine = jnp.where(row_index >= 0, d_w_rows[jnp.maximum(row_index, 0)], 0.0)
+    with jax.named_scope("swiglu"):
+        d_act = (g_act.astype(jnp.float32) * w_rows).astype(act.dtype)
+        _, swiglu_vjp = jax.vjp(swiglu_fused, h)
+        (d_h,) = swiglu_vjp(d_act)
+    with jax.named_scope("permute"):
+        rows = jnp.where(filled[:, None], tokens[token], 0).astype(tokens.dtype)  # the forward's permuted rows
+    with jax.named_scope("grouped_gemm"):
+        _, up_vjp = jax.vjp(lambda r, w: gemm(r, w, group_sizes), rows, w_gate_up)
+        d_rows, d_w_gate_up = up_vjp(d_h)
+    with jax.named_scope("permute"):
+        d_tokens = unpermute_call(d_rows, row_index, jnp.ones(row_index.shape, jnp.float32))
+    return (match_varying(d_tokens, tokens), None, match_varying(d_combine, combine_w),
+            match_varying(d_w_gate_up, w_gate_up), match_varying(d_w_down, w_down))
+
+
+_block.defvjp(_block_fwd, _block_bwd)
