@@ -1,5 +1,8 @@
-// CPU FFI handler of the single-device MoE dispatch:
+// CPU FFI handlers of the single-device MoE dispatch:
 //   turbo_moe_permute: x (T, H), expert_ids (T, k) -> x_sorted (T*k, H), group_sizes (E,), row_index (T, k)
+//   turbo_moe_permute_rows: x (T, H), row_index (T, k), group_sizes (E,) -> x_sorted (T*k, H): x_sorted[row_index[t,
+//     j]] = x[t] for entries in [0, T*k) (which must not repeat a row), rows from sum(group_sizes) on zero, the rest
+//     as a permute with that row_index and those group sizes left them (its copy step alone).
 // Token copies are stably sorted by expert (counting sort in flat slot order t*k + j). A copy whose
 // expert id is outside [0, E) is dropped: row_index = -1, and the rows past sum(group_sizes) are
 // zero. Optional leading batch dims are shared by all operands.
@@ -62,8 +65,50 @@ ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error PermuteRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_index,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> x_sorted) {
+  Dtype dt;
+  if (!to_dtype(x.element_type(), &dt) || x_sorted->element_type() != x.element_type())
+    return invalid("permute_rows: x must be float32/bfloat16/float16 and x_sorted the same dtype");
+  auto xd = x.dimensions(), rd = row_index.dimensions(), gd = group_sizes.dimensions();
+  if (xd.size() < 2 || rd.size() != xd.size() || gd.size() + 1 != xd.size())
+    return invalid("permute_rows: expected x [..., T, H], row_index [..., T, k] and group_sizes [..., E]");
+  const int64_t rank = xd.size();
+  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = rd[rank - 1], E = gd[rank - 2];
+  if (rd[rank - 2] != T) return invalid("permute_rows: row_index must have T rows like x");
+  const int64_t batch = leading_product(xd, 2), slots = T * k, row = H * byte_width(dt);
+  const char* x_p = static_cast<const char*>(x.untyped_data());
+  const int32_t* row_p = row_index.typed_data();
+  char* xs_p = static_cast<char*>(x_sorted->untyped_data());
+  constexpr int64_t kChunk = 256;  // tokens per parallel work item
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  parallel_for(&pool, batch * chunks, [&](int64_t item) {
+    const int64_t b = item / chunks, t0 = (item % chunks) * kChunk, t1 = std::min(T, t0 + kChunk);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t r = row_p[b * slots + t * k + j];
+        if (r >= 0 && r < slots) std::memcpy(xs_p + (b * slots + r) * row, x_p + (b * T + t) * row, row);
+      }
+  });
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; ++e) total += std::max<int32_t>(group_sizes.typed_data()[b * E + e], 0);
+    total = std::min(total, slots);
+    std::memset(xs_p + (b * slots + total) * row, 0, (slots - total) * row);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace turbo_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute_rows, turbo_moe::PermuteRowsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
+                                  .Ret<xla::ffi::AnyBuffer>());               // x_sorted [..., T*k, H]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
                               xla::ffi::Ffi::Bind()

@@ -1,5 +1,7 @@
-// CUDA FFI handler of the single-device MoE dispatch (contract of kernels/cpu/permute.cc):
+// CUDA FFI handlers of the single-device MoE dispatch (contract of kernels/cpu/permute.cc):
 //   turbo_moe_permute: x (T, H), expert_ids (T, k) -> x_sorted (T*k, H), group_sizes (E,), row_index (T, k)
+//   turbo_moe_permute_rows: x (T, H), row_index (T, k), group_sizes (E,) -> x_sorted (T*k, H): the copy step of a
+//     permute whose row_index and group sizes are known (step 4 alone; the expert block's backward rebuilds rows).
 // Token copies are stably sorted by expert in flat slot order s = t*k + j; a copy whose expert id
 // is outside [0, E) is dropped (row_index = -1) and the rows past sum(group_sizes) are zero.
 // Counting sort on the device, deterministic, no atomics on global memory, no host sync:
@@ -103,7 +105,7 @@ __global__ void gather_rows_kernel(const char* x, const int32_t* row_index, char
   if (warp >= total_slots) return;
   const int64_t slots = T * k, b = warp / slots, s = warp % slots;
   const int32_t r = row_index[warp];
-  if (r < 0) return;
+  if (r < 0 || r >= slots) return;  // a dropped copy (permute_rows: any row outside the output)
   const V* src = reinterpret_cast<const V*>(x + (b * T + s / k) * row_bytes);
   V* dst = reinterpret_cast<V*>(x_sorted + (b * slots + r) * row_bytes);
   const int64_t n = row_bytes / static_cast<int64_t>(sizeof(V));
@@ -162,8 +164,68 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   return last_cuda_error("permute");
 }
 
+// Rows [sum(group_sizes[b]), rows) of each batch's (rows, row_bytes) block are zeroed; every block sums the E sizes
+// itself (a few KB from L2), so no table of totals is needed.
+__global__ void zero_rows_past_groups_kernel(char* data, int64_t rows, int64_t row_bytes, const int32_t* group_sizes,
+                                             int64_t E) {
+  __shared__ long long warp_sums[32];
+  const int64_t b = blockIdx.y;
+  long long mine = 0;
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) mine += max(group_sizes[b * E + e], 0);
+  for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = mine;
+  __syncthreads();
+  long long total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += warp_sums[w];
+  char* base = data + b * rows * row_bytes;
+  const int64_t begin = min(static_cast<int64_t>(total), rows) * row_bytes, end = rows * row_bytes;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (begin % 16 == 0 && end % 16 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0) {
+    uint4* v = reinterpret_cast<uint4*>(base + begin);
+    for (int64_t i = tid; i < (end - begin) / 16; i += stride) v[i] = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t i = begin + tid; i < end; i += stride) base[i] = 0;
+  }
+}
+
+ffi::Error PermuteRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_index,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> x_sorted) {
+  if (!is_float_type(x.element_type()) || x_sorted->element_type() != x.element_type())
+    return invalid("permute_rows: x must be float32/bfloat16/float16 and x_sorted the same dtype");
+  auto xd = x.dimensions(), rd = row_index.dimensions(), gd = group_sizes.dimensions();
+  if (xd.size() < 2 || rd.size() != xd.size() || gd.size() + 1 != xd.size())
+    return invalid("permute_rows: expected x [..., T, H], row_index [..., T, k] and group_sizes [..., E]");
+  const int64_t rank = xd.size();
+  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = rd[rank - 1], E = gd[rank - 2];
+  if (rd[rank - 2] != T) return invalid("permute_rows: row_index must have T rows like x");
+  const int64_t batch = leading_product(xd, 2), slots = T * k;
+  if (slots >= (int64_t{1} << 31)) return invalid("permute_rows: T * k must be < 2^31");
+  const int64_t row_bytes = H * byte_width(x.element_type());
+  if (batch == 0 || slots == 0 || row_bytes == 0) return ffi::Error::Success();
+  const char* x_p = static_cast<const char*>(x.untyped_data());
+  char* xs_p = static_cast<char*>(x_sorted->untyped_data());
+  const int64_t total_slots = batch * slots;
+  dispatch_vector(vector_bytes(row_bytes, {x_p, xs_p}), [&](auto tag) {
+    gather_rows_kernel<decltype(tag)><<<static_cast<unsigned>(ceil_div(total_slots, 8)), 256, 0, stream>>>(
+        x_p, row_index.typed_data(), xs_p, T, k, row_bytes, total_slots);
+  });
+  zero_rows_past_groups_kernel<<<dim3(32, static_cast<unsigned>(batch)), 256, 0, stream>>>(
+      xs_p, slots, row_bytes, group_sizes.typed_data(), E);
+  return last_cuda_error("permute_rows");
+}
+
 }  // namespace
 }  // namespace turbo_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute_rows, turbo_moe::PermuteRowsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
+                                  .Ret<xla::ffi::AnyBuffer>(),                // x_sorted [..., T*k, H]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 // Command-buffer compatible: no scratch, no host synchronisation, every launch on `stream`.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,

@@ -47,6 +47,10 @@ def main():
           and np.array_equal(np.asarray(group_sizes), es) and np.array_equal(np.asarray(handle.row_index), er))
     print("unpermute max err:", float(np.abs(np.asarray(y, np.float64) - ref.unpermute(ex, er, np.asarray(w))).max()),
           "bwd finite:", bool(np.isfinite(np.asarray(d_y, np.float32)).all() and np.isfinite(np.asarray(d_w)).all()))
+    other = jax.device_put(jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16), gpu)
+    rows = ops.permute_rows(other, handle, group_sizes)  # the copy step again; the dropped copies' tail rows zeroed
+    expect_rows = ref.permute(np.asarray(other, np.float64), ids, E)[0]
+    print("permute_rows exact:", np.array_equal(np.asarray(rows, np.float64), expect_rows))
 
     # router_topk: both kernels (penalty: a block per sequence over chunks, the last one partial; none: a grid)
     sel = rng.uniform(0, 1, (2, 45, 64)).astype(np.float32)

@@ -184,6 +184,22 @@ def test_permute_unpermute_and_grads(T, H, k, E, dtype):
     assert rel_err(d_w, expect_d_w) < max(TOL[dtype], 1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,k,E", [(1000, 72, 4, 8), (333, 2048, 2, 3), (16384, 1280, 6, 64), (50, 7, 3, 64)])
+def test_permute_rows_equals_permute_and_cpu(T, H, k, E, dtype):
+    rng = np.random.default_rng()
+    ids = random_ids(rng, T, k, E)
+    x, other, expert_ids = device_put(jnp.asarray(rng.standard_normal((T, H)), dtype),
+                                      jnp.asarray(rng.standard_normal((T, H)), dtype), jnp.asarray(ids))
+    _, sizes, handle = jax.jit(ops.permute, static_argnums=2)(x, expert_ids, E)
+    want, _, _ = jax.jit(ops.permute, static_argnums=2)(other, expert_ids, E)
+    got = jax.jit(ops.permute_rows)(other, handle, sizes)
+    assert np.array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+    cpu = jax.devices("cpu")[0]
+    on_cpu = jax.jit(ops.permute_rows)(*(jax.device_put(a, cpu) for a in (other, handle, sizes)))
+    assert np.array_equal(np.asarray(on_cpu, np.float64), np.asarray(got, np.float64))
+
+
 def test_permute_vmap_matches_loop():
     rng = np.random.default_rng()
     B, T, H, k, E = 2, 300, 64, 2, 16

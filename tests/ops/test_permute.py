@@ -6,7 +6,7 @@ import pytest
 from jax.test_util import check_grads
 
 from tests import reference
-from turbo_moe.ops import PermuteHandle, grouped_gemm, permute, unpermute
+from turbo_moe.ops import PermuteHandle, grouped_gemm, permute, permute_rows, unpermute
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -33,6 +33,22 @@ def test_permute_matches_reference(dtype, kind):
     np.testing.assert_array_equal(np.asarray(sizes), ref_sizes)
     np.testing.assert_array_equal(np.asarray(handle.row_index), ref_rows)
     np.testing.assert_array_equal(np.asarray(x_sorted.astype(jnp.float32)), ref_sorted)  # copies are exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "skewed", "dropped"])
+def test_permute_rows_repeats_the_copy_step_for_new_rows(dtype, kind):
+    T, k, E, H = 203, 3, 7, 37
+    keys = jax.random.split(jax.random.key(4))
+    x, other = (jax.random.normal(key, (T, H)).astype(dtype) for key in keys)
+    ids = jnp.asarray(routing(2, T, k, E, kind))
+    _, sizes, handle = permute(x, ids, E)
+    want, _, _ = permute(other, ids, E)
+    got = jax.jit(permute_rows)(other, handle, sizes)
+    assert got.dtype == dtype and got.shape == (T * k, H)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    if kind == "dropped":  # rows past the group sizes' total are zero, not left over
+        assert int(sizes.sum()) < T * k and not np.asarray(got[int(sizes.sum()):].astype(jnp.float32)).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,6 +165,14 @@ def test_vmap_permute_unpermute():
      ValueError, r"weights must have shape \(T, k\)"),
     (lambda: unpermute(jnp.ones((7,)), PermuteHandle(jnp.zeros((4, 2), jnp.int32)), jnp.ones((4, 2))),
      ValueError, "y_sorted must have rank 2"),
+    (lambda: permute_rows(jnp.ones((4, 3)), jnp.zeros((4, 2), jnp.int32), jnp.ones(3, jnp.int32)), TypeError,
+     "PermuteHandle"),
+    (lambda: permute_rows(jnp.ones((5, 3)), PermuteHandle(jnp.zeros((4, 2), jnp.int32)), jnp.ones(3, jnp.int32)),
+     ValueError, "T=5 rows"),
+    (lambda: permute_rows(jnp.ones((4, 3)), PermuteHandle(jnp.zeros((4, 2), jnp.int32)), jnp.ones(3)), TypeError,
+     "group_sizes must be an integer"),
+    (lambda: permute_rows(jnp.ones((4, 3), jnp.int32), PermuteHandle(jnp.zeros((4, 2), jnp.int32)),
+                          jnp.ones(3, jnp.int32)), TypeError, "x"),
 ])
 def test_bad_input_is_named(call, err, match):
     with pytest.raises(err, match=match):

@@ -5,7 +5,7 @@ Why: differentiated piece by piece, the block keeps two (T*k, D) tensors for its
 (the gate/up weight gradient reads them) and the down GEMM's output y (unpermute's backward reads it for the
 combine weights' gradient). Inside a layer scan XLA copies each into the scan's residual stacks (252 MB a layer at
 `reduced`, ~1.8 ms a step each) and the backward reads y once more. Here neither is kept:
-  - the permuted rows are gathered again from the block's input tokens (a gather that writes them, no stack copy);
+  - the permuted rows are copied again from the block's input tokens (`ops.permute_rows`: the permute's copy step);
   - with y = act @ W, out = sum_j w_j y_j and g = dL/dout, the combine weights' gradient comes from the down GEMM's
     data gradient run on the *unweighted* rows of g:  G = g @ W^T,  d_w = <act, G>,  d_act = w * G,
     dW = (w * act)^T @ g  -- the same sums as <y, g>, (w g) @ W^T and act^T (w g), without y.
@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, ExpertWeights, GroupedGemm, saved, swiglu_fused
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import match_varying
-from turbo_moe.ops.permute import ROW_INDEX_NAME, _permute_call
+from turbo_moe.ops.permute import ROW_INDEX_NAME, _permute_call, permute_rows_call
 from turbo_moe.ops.unpermute import unpermute_call
 
 
@@ -58,7 +58,7 @@ def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
         y_rows = gemm(act, w_down, group_sizes)  # (T*k, D): not kept for the backward
     with jax.named_scope("unpermute"):
         y = unpermute_call(y_rows, row_index, combine_w)
-    return y, group_sizes, (h, act, checkpoint_name(row_index, ROW_INDEX_NAME))
+    return y, group_sizes, (h, act, saved(row_index, ROW_INDEX_NAME))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -72,23 +72,13 @@ def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm
     return (y, group_sizes), (tokens, combine_w, w_gate_up, w_down, group_sizes, h, act, row_index)
 
 
-def _slot_of_rows(row_index: jax.Array) -> jax.Array:
-    """(T, k) row of each copy -> (T*k,) copy (t * k + j) of each row, -1 for rows no copy fills."""
-    n = row_index.size
-    rows = jnp.where(row_index >= 0, row_index, n).reshape(-1)  # -1 (dropped) -> out of range, then dropped
-    return jnp.full((n,), -1, jnp.int32).at[rows].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
-
-
 def _block_bwd(n_experts, gemm, residuals, cotangents):
     tokens, combine_w, w_gate_up, w_down, group_sizes, h, act, row_index = residuals
     d_y = cotangents[0]  # (T, D); group_sizes are integers
-    k = row_index.shape[-1]
     with jax.named_scope("unpermute"):
-        slot = _slot_of_rows(row_index)
-        filled = slot >= 0
-        token = jnp.where(filled, slot // k, 0)
-        w_rows = jnp.where(filled, combine_w.reshape(-1)[jnp.maximum(slot, 0)], 0.0)[:, None]  # (T*k, 1) f32
-        g_rows = jnp.where(filled[:, None], d_y[token], 0).astype(act.dtype)  # unweighted rows of g
+        g_rows = permute_rows_call(d_y.astype(act.dtype), row_index, group_sizes)  # unweighted rows of g
+        # each row's combine weight: the permute of the (T, k) weights as (T*k, 1) rows of one copy each
+        w_rows = permute_rows_call(combine_w.reshape(-1, 1), row_index.reshape(-1, 1), group_sizes)  # (T*k, 1)
         act_w = (act.astype(jnp.float32) * w_rows).astype(act.dtype)
     with jax.named_scope("grouped_gemm"):
         _, down_vjp = jax.vjp(lambda a, w: gemm(a, w, group_sizes), act_w, w_down)
@@ -101,7 +91,7 @@ def _block_bwd(n_experts, gemm, residuals, cotangents):
         _, swiglu_vjp = jax.vjp(swiglu_fused, h)
         (d_h,) = swiglu_vjp(d_act)
     with jax.named_scope("permute"):
-        rows = jnp.where(filled[:, None], tokens[token], 0).astype(tokens.dtype)  # the forward's permuted rows
+        rows = permute_rows_call(tokens, row_index, group_sizes)  # the forward's permuted rows
     with jax.named_scope("grouped_gemm"):
         _, up_vjp = jax.vjp(lambda r, w: gemm(r, w, group_sizes), rows, w_gate_up)
         d_rows, d_w_gate_up = up_vjp(d_h)

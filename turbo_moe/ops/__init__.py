@@ -1,7 +1,8 @@
 """FFI-backed MoE ops with custom VJPs (CPU handlers always; CUDA handlers when built).
 
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad.
-- permute / unpermute: single-device dispatch/combine, each other's transposes.
+- permute / unpermute: single-device dispatch/combine, each other's transposes; permute_rows: a permute's
+  copy step again for new rows (its row index and group sizes known).
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
 - router_topk: the router's group-limited top-k with the causal sequence load penalty fused in.
 - segment_sum: rows summed by id, sorted and deterministic (no atomics): drop-in for jax.ops.segment_sum.
@@ -12,7 +13,7 @@ from turbo_moe.ops._ffi import ensure_registered, kernel_info
 from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
-from turbo_moe.ops.permute import PermuteHandle, permute
+from turbo_moe.ops.permute import PermuteHandle, permute, permute_rows
 from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
 from turbo_moe.ops.router_topk import router_topk
 from turbo_moe.ops.segment_sum import segment_sum
@@ -24,6 +25,7 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_weight_grad",
     "permute",
+    "permute_rows",
     "unpermute",
     "PermuteHandle",
     "moe_dispatch",

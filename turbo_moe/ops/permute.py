@@ -53,6 +53,34 @@ def permute(x, expert_ids, num_experts: int):
     return x_sorted, group_sizes, PermuteHandle(checkpoint_name(row_index, ROW_INDEX_NAME))
 
 
+def permute_rows(x, handle: PermuteHandle, group_sizes):
+    """`permute`'s x_sorted for new rows x, from the row index and group sizes a permute returned: no sort.
+
+    x_sorted[handle.row_index[t, j]] = x[t]; rows from sum(group_sizes) on are zero (rows below it that no entry
+    fills are unspecified: a permute's row index fills them all). (T, H), PermuteHandle,
+    int32 (E,) -> (T*k, H). For a backward pass that needs the permuted rows (or a gradient's) again without
+    keeping them (turbo_moe.model.expert_block). Not differentiable (its transpose is `unpermute` with unit
+    weights). Row index entries outside [0, T*k) copy nothing.
+    """
+    if not isinstance(handle, PermuteHandle):
+        raise TypeError(f"handle must be the PermuteHandle returned by permute, got {type(handle).__name__}")
+    _checks.check_rank("x", x, 2, "(T, H)")
+    _checks.float_dtype("x", x.dtype)
+    row_index = handle.row_index
+    _checks.check_rank("handle.row_index", row_index, 2, "(T, k)")
+    _checks.check_integer("handle.row_index", row_index)
+    _checks.check_rank("group_sizes", group_sizes, 1, "(E,)")
+    _checks.check_integer("group_sizes", group_sizes)
+    if row_index.shape[0] != x.shape[0]:
+        raise ValueError(f"handle.row_index (T, k) must have T={x.shape[0]} rows like x (T, H), got {row_index.shape}")
+    return permute_rows_call(x, _checks.index_as_int32(row_index, row_index.size), group_sizes.astype(jnp.int32))
+
+
+def permute_rows_call(x, row_index, group_sizes):
+    out = jax.ShapeDtypeStruct(x.shape[:-2] + (row_index.shape[-2] * row_index.shape[-1], x.shape[-1]), x.dtype)
+    return ffi_call("turbo_moe_permute_rows", out, x, row_index, group_sizes)
+
+
 def _permute_call(x, expert_ids, num_experts):
     T, k = expert_ids.shape[-2:]
     batch = x.shape[:-2]
