@@ -22,15 +22,16 @@ from turbo_moe.model.paths import ExpertFfn
 pytestmark = requires_turbo
 
 
+@pytest.mark.parametrize("expert_backward", ["block", "autodiff"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("path", ["turbo", "pallas"])
-def test_block_matches_reference_outputs_and_grads(path, dtype, request):
+def test_block_matches_reference_outputs_and_grads(path, dtype, expert_backward, request):
     if path == "pallas":
         if dtype == jnp.float32:
             pytest.skip("the Pallas Mosaic-GPU GEMM computes in bfloat16/float16")
         request.getfixturevalue("fake_pallas")
     x, routing, weights, cotangent = make_case()
-    fn = moe_path_fn(path, float(weights.n_experts), expert_backward="block")
+    fn = moe_path_fn(path, float(weights.n_experts), expert_backward=expert_backward)
     y, _ = jax.jit(fn)(x.astype(dtype), routing, weights)
     np.testing.assert_allclose(np.asarray(y, np.float32), reference_experts(x.astype(dtype), routing, weights),
                                **TOLERANCE[dtype])
@@ -93,7 +94,7 @@ def _step(cfg):
 
 def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes():
     base = dict(moe_path="turbo", remat_policy="dots_experts_attention", dtype="float32")
-    (ref_loss, ref_grads), ref_compiled = _step(micro_config(**base))
+    (ref_loss, ref_grads), ref_compiled = _step(micro_config(**base, expert_backward="autodiff"))
     (loss, grads), compiled = _step(micro_config(**base, expert_backward="block"))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):

@@ -151,6 +151,37 @@ def test_allocator_error_at_run_time_returns_oom(base, monkeypatch):
     assert r.summary["oom_requested_bytes"] == 17179869184
 
 
+def test_next_step_is_queued_before_metrics_are_read(base, monkeypatch):
+    """One step ahead: step n + 1 is dispatched before step n's metrics are read (the device does not wait for the
+    host between steps), except after a step whose state is evaluated (or saved) and after the last one."""
+    events = []
+    original_compile, original_get = _Trainer._compile, jax.device_get
+
+    def compile_and_count(self, train_step, state, mesh):
+        compiled = original_compile(self, train_step, state, mesh)
+
+        def step(state, batch):
+            events.append(("dispatch", sum(e[0] == "dispatch" for e in events)))
+            return compiled(state, batch)
+        return step
+
+    def get(tree):
+        if isinstance(tree, dict) and "loss" in tree:  # the loop's read of a step's metrics
+            events.append(("read", sum(e[0] == "read" for e in events)))
+        return original_get(tree)
+
+    monkeypatch.setattr(_Trainer, "_compile", compile_and_count)
+    monkeypatch.setattr(jax, "device_get", get)
+    r = run(base.replace(steps=12))  # eval_every 10: evaluated after steps 9 and 11
+    assert r.status == "ok", r.error
+    assert [row["step"] for row in r.history] == list(range(12))
+    at = {e: i for i, e in enumerate(events)}
+    assert len(at) == 12 + 12 and ("dispatch", 12) not in at
+    for n in range(11):
+        ahead = at[("dispatch", n + 1)] < at[("read", n)]
+        assert ahead == (n != 9), (n, events)
+
+
 def test_bad_dataset_path_raises_naming_it(base, tmp_path):
     with pytest.raises(FileNotFoundError, match="missing_corpus"):
         run(base.replace(dataset=str(tmp_path / "missing_corpus")))

@@ -169,9 +169,10 @@ class ModelConfig:
     # width through JAX's private cuDNN entry point: no v pad; GPU only, elsewhere "auto"; layers.causal_attention)
     attention_impl: str = "auto"
     # The routed experts' backward on the paths with the permute exchange (turbo, pallas), one device or data parallel:
-    # "autodiff" (each op's own VJP) or "block" (model/expert_block.py: one VJP over permute -> experts -> unpermute
-    # that keeps neither the permuted rows nor the down GEMM's output for the backward pass).
-    expert_backward: str = "autodiff"
+    # "block" (model/expert_block.py: one VJP over permute -> experts -> unpermute that keeps neither the permuted rows
+    # nor the down GEMM's output for the backward pass) or "autodiff" (each op's own VJP). `reduced` b8 x 2048 on an
+    # H200: -2.2 to -3.2 ms a step, -6.9 GiB compiled memory; gradients as exact (experiments/NOTES.md, calls 72-76).
+    expert_backward: str = "block"
 
     def __post_init__(self):
         _validate(self)

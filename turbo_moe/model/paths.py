@@ -81,7 +81,7 @@ def build_exchange(row: PathRow, **params) -> exchanges.Exchange:
 
 def run_exchange(exchange: exchanges.Exchange, gemm: str, x: jax.Array, expert_ids: jax.Array,
                  combine_w: jax.Array, weights: ExpertWeights, n_experts: int,
-                 expert_backward: str = "autodiff") -> tuple[jax.Array, jax.Array]:
+                 expert_backward: str = "block") -> tuple[jax.Array, jax.Array]:
     """x (B, S, D), expert_ids / combine_w (B, S, k) -> (y (B, S, D), copies computed () int32)."""
     b, s, d = x.shape
     k = expert_ids.shape[-1]
@@ -106,7 +106,7 @@ class ExpertFfn(NamedTuple):
 MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, ExpertStats]"]
 
 
-def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "autodiff") -> MoEPath:
+def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "block") -> MoEPath:
     """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`; `expert_backward`:
     `ModelConfig.expert_backward` (paths with the permute exchange)."""
     row = path_row(moe_path)
