@@ -148,6 +148,15 @@ def cast_at_use_paths(blocks: nnx.Module, dtype) -> set[tuple]:
     return paths
 
 
+def stacked_cast_paths(model: nnx.Module, dtype) -> set[tuple]:
+    """Paths (in `nnx.state(model)`) of every BlockStack's cast-at-use weights: what `cast_stacked_weights` casts."""
+    paths = set()
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, BlockStack):
+            paths |= {(*path, "blocks", *p) for p in cast_at_use_paths(node.blocks, dtype)}
+    return paths
+
+
 def cast_stacked_weights(blocks: nnx.Module, state, dtype):
     """`state` with the cast-at-use weights cast to `dtype` for all layers at once, before the scan slices
     them (`ModelConfig.cast_params_before_scan`): each layer then reads its slice in `dtype` instead of

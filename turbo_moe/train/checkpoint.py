@@ -62,11 +62,19 @@ def _leaf_names(tree) -> list[str]:
     return names
 
 
+def _saved_part(state):
+    """The state without what is derived from it: TrainState.compute (a cast copy of some params) is rebuilt."""
+    return state._replace(compute=None) if getattr(state, "compute", None) is not None else state
+
+
 def flatten_state(state) -> dict[str, Any]:
+    state = _saved_part(state)
     return dict(zip(_leaf_names(state), jax.tree.leaves(state)))
 
 
 def unflatten_state(flat: dict[str, Any], like):
+    """`like`'s structure from `flat`; a TrainState comes back with compute None (Program.refresh_compute)."""
+    like = _saved_part(like)
     names = _leaf_names(like)
     missing = sorted(set(names) - set(flat))
     if missing:

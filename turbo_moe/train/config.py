@@ -42,6 +42,10 @@ class TrainConfig:
     # every stacked output slice is written by the loop, so the fill is wasted (turbo_moe/train/scan_outputs.py).
     # Replaces a private JAX function while lowering: off by default.
     scan_outputs_uninitialized: bool = False
+    # The stacked layers' cast-at-use weights kept in the train state in the compute dtype, written by the optimizer
+    # update next to the float32 master weights (one fused pass), instead of cast from float32 at the start of every
+    # step (ModelConfig.cast_params_before_scan). Same values and gradients; +2 bytes a stacked weight in the state.
+    cast_params_in_update: bool = False
     seq_len: int | None = None
     steps: int = 50
     learning_rate: float = 3e-3
@@ -139,6 +143,8 @@ def _validate(c: TrainConfig) -> None:
         _require(_is_int(value) and value >= 0, name, f"must be a non-negative int, got {value!r}")
     _require(isinstance(c.scan_outputs_uninitialized, bool), "scan_outputs_uninitialized",
              f"must be a bool, got {c.scan_outputs_uninitialized!r}")
+    _require(isinstance(c.cast_params_in_update, bool), "cast_params_in_update",
+             f"must be a bool, got {c.cast_params_in_update!r}")
     _require(c.xla_gpu_autotune_level is None or (_is_int(c.xla_gpu_autotune_level)
              and 0 <= c.xla_gpu_autotune_level <= 4), "xla_gpu_autotune_level",
              f"must be None or an int in 0..4, got {c.xla_gpu_autotune_level!r}")

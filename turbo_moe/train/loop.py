@@ -92,14 +92,14 @@ class _Trainer:
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
         program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
-                                tc.scan_outputs_uninitialized)
+                                tc.scan_outputs_uninitialized, tc.cast_params_in_update)
         # The train step compiles on abstract inputs in a second thread while the init program compiles
         # and runs: a cold start waits for the longer of the two, not their sum (NOTES, issue 12).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step") as pool:
             pending = pool.submit(self._compile, program.train, program.abstract_state, mesh)
             self._enter("initialisation")
             try:
-                state = self._maybe_resume(self._head_prior(program.init(jax.random.key(tc.seed))))
+                state = self._maybe_resume(self._head_prior(program.init(jax.random.key(tc.seed))), program)
             except BaseException:
                 pending.cancel()
                 raise
@@ -198,11 +198,13 @@ class _Trainer:
             state = with_head_bias(state, unigram_log_prior(self.dataset.train, self.model_cfg.vocab_size))
         return jax.block_until_ready(state)
 
-    def _maybe_resume(self, state):
+    def _maybe_resume(self, state, program):
         if not (self.tc.resume and self.checkpointer and self.checkpointer.latest_step() is not None):
             return state
         self._enter("restore")
         state, record = self.checkpointer.restore(state, config=self.tc.to_dict())  # refuses another seed/path
+        if program.refresh_compute is not None:  # the compute copy is not saved: cast it from the restored params
+            state = program.refresh_compute(state)
         self.start_step = int(record["step"])
         if int(state.step) != self.start_step:
             raise ValueError(f"checkpoint record says step {self.start_step} but the optimizer state has "

@@ -37,6 +37,29 @@ class TrainState(NamedTuple):
     params: Any  # nnx.State of nnx.Param (float32)
     extra: Any  # nnx.State of non-Param variables (router biases)
     opt_state: Any  # optax state
+    # TrainConfig.cast_params_in_update: the stacked layers' cast-at-use weights in the compute dtype (an nnx.State
+    # with a subset of params' paths), written by each update and read by the next forward pass; None otherwise.
+    # Derived from params: not checkpointed (`Program.refresh_compute` rebuilds it after a restore).
+    compute: Any = None
+
+
+class ComputeCast(NamedTuple):
+    """Which weights `TrainConfig.cast_params_in_update` keeps cast (state paths) and to what dtype."""
+
+    paths: frozenset
+    dtype: Any
+
+
+def compute_copy(params, cast: ComputeCast):
+    """nnx.State of the leaves of `params` at `cast.paths`, cast to `cast.dtype`."""
+    return nnx.from_flat_state([(path, var.replace(var[...].astype(cast.dtype)))
+                                for path, var in nnx.to_flat_state(params) if path in cast.paths])
+
+
+def with_compute(params, compute):
+    """`params` with `compute`'s leaves in place of theirs: what the forward pass reads."""
+    over = dict(nnx.to_flat_state(compute))
+    return nnx.from_flat_state([(path, over.get(path, var)) for path, var in nnx.to_flat_state(params)])
 
 
 def make_mesh(devices: list | None = None, expert_parallel: int = 1) -> Mesh:
@@ -107,13 +130,14 @@ def _optimizer(peak, warmup_steps, total_steps, min_lr_ratio, weight_decay, b1, 
     return adamw
 
 
-def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation):
+def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, cast: ComputeCast | None = None):
     def new_model(key) -> DeepSeekModel:
         return DeepSeekModel(model_cfg, rngs=nnx.Rngs(key))
 
     def create(key) -> TrainState:
         _, params, extra = nnx.split(new_model(key), nnx.Param, ...)
-        return TrainState(jnp.zeros((), jnp.int32), params, extra, tx.init(params))
+        compute = None if cast is None else compute_copy(params, cast)
+        return TrainState(jnp.zeros((), jnp.int32), params, extra, tx.init(params), compute)
 
     return new_model, create
 
@@ -144,18 +168,22 @@ def _merge(graphdef, params, extra) -> DeepSeekModel:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation,
-                    bias_rate: float | Callable[[jax.Array], jax.Array]) -> Callable:
+                    bias_rate: float | Callable[[jax.Array], jax.Array], cast: ComputeCast | None = None) -> Callable:
     """(state, batch) -> (state, metrics). batch: {"inputs","targets"} (B, S) int32, sharded on B."""
 
     def train_step(state: TrainState, batch: dict):
         # nnx.value_and_grad (not jax's) so the model's nnx.remat blocks see a consistent trace context;
         # DiffState restricts the gradient to nnx.Param (router biases are not trained by gradient).
         grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
-        forward = _merge(graphdef, state.params, state.extra)
+        params_in = state.params if cast is None else with_compute(state.params, state.compute)
+        forward = _merge(graphdef, params_in, state.extra)
         (_, metrics), grads = grad_fn(forward, batch)
+        if cast is not None:  # the compute copy's gradients, as the cast's transpose gives them: in float32
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            compute = None if cast is None else compute_copy(params, cast)  # fused with the update's pass
         # Aux-loss-free balancing: the bias moves toward the mean load (router_bias_update) after the weight update.
         # Non-Param state as the forward left it (router_center_ema's running means; else state.extra).
         model = _merge(graphdef, params, nnx.split(forward, nnx.Param, ...)[2])
@@ -165,7 +193,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
         _, _, extra = nnx.split(model, nnx.Param, ...)
         with jax.named_scope("optimizer"):
             metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, params, extra, opt_state), metrics
+        return TrainState(state.step + 1, params, extra, opt_state, compute), metrics
 
     return train_step
 
@@ -193,6 +221,8 @@ class Program:
     train: Callable  # (state, batch) -> (state, metrics), state donated
     evaluate: Callable  # (state, batch) -> {"ce_loss", "loss"}
     abstract_state: Any  # TrainState of ShapeDtypeStructs with shardings: compile before init has run
+    # state -> state with its compute copy cast again from params (after a checkpoint restore); None without one
+    refresh_compute: Callable | None = None
 
 
 def compiler_options(gpu_autotune_level: int | None) -> dict | None:
@@ -203,14 +233,28 @@ def compiler_options(gpu_autotune_level: int | None) -> dict | None:
     return {"xla_gpu_autotune_level": gpu_autotune_level}
 
 
+def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module) -> ComputeCast:
+    """TrainConfig.cast_params_in_update's paths and dtype; refused where the model computes in its parameter dtype."""
+    from turbo_moe.model.stack import stacked_cast_paths
+
+    dtype = jnp.dtype(model_cfg.dtype)
+    if dtype == jnp.dtype(model_cfg.param_dtype):
+        raise ValueError(f"TrainConfig.cast_params_in_update: the model computes in its parameter dtype "
+                         f"({model_cfg.param_dtype}): there is nothing to cast (use float32 params with a "
+                         f"bfloat16/float16 compute dtype, or turn it off)")
+    return ComputeCast(frozenset(stacked_cast_paths(abstract_model, dtype)), dtype)
+
+
 @functools.lru_cache(maxsize=4)
 def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
                   fsdp: bool = True, gpu_autotune_level: int | None = None,
-                  scan_outputs_uninitialized: bool = False) -> Program:
+                  scan_outputs_uninitialized: bool = False, cast_params_in_update: bool = False) -> Program:
     options = compiler_options(gpu_autotune_level)
-    new_model, create = _init_fn(model_cfg, tx)
     key = jax.random.key(0)
-    graphdef = nnx.split(nnx.eval_shape(lambda: new_model(key)), nnx.Param, ...)[0]  # no allocation
+    abstract_model = nnx.eval_shape(lambda: DeepSeekModel(model_cfg, rngs=nnx.Rngs(key)))  # no allocation
+    cast = compute_cast(model_cfg, abstract_model) if cast_params_in_update else None
+    new_model, create = _init_fn(model_cfg, tx, cast)
+    graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
     shapes = jax.eval_shape(create, key)
     state_sharding = state_shardings(shapes, mesh, fsdp=fsdp)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -219,14 +263,18 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
     init = InitProgram(jax.jit(create, out_shardings=state_sharding, compiler_options=options))
     bias_rate = functools.partial(bias_rate_at, model_cfg)
-    train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate), mesh),
+    train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate, cast), mesh),
                     in_shardings=(state_sharding, data_sharding),
                     out_shardings=(state_sharding, replicated(mesh)), donate_argnums=0, compiler_options=options)
     evaluate = jax.jit(_in_mesh(make_eval_step(graphdef), mesh), in_shardings=(state_sharding, data_sharding),
                        out_shardings=replicated(mesh), compiler_options=options)
     if scan_outputs_uninitialized:
         train, evaluate = LoweredWithUninitializedScans(train), LoweredWithUninitializedScans(evaluate)
-    return Program(graphdef, init, train, evaluate, abstract_state)
+    refresh = None
+    if cast is not None:
+        refresh = jax.jit(lambda state: state._replace(compute=compute_copy(state.params, cast)),
+                          out_shardings=state_sharding, donate_argnums=0, compiler_options=options)
+    return Program(graphdef, init, train, evaluate, abstract_state, refresh)
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> dict:
