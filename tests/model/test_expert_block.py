@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model.conftest import micro_config, requires_turbo
+from tests.model.conftest import requires_turbo
 from tests.model.path_cases import fake_pallas  # noqa: F401  (a fixture)
 from tests.model.test_moe_paths import (TOLERANCE, make_case, path_loss_and_grads, reference_experts,
                                         reference_loss_and_grads)
@@ -93,17 +93,19 @@ def _step(cfg):
 
 
 def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes():
-    base = dict(moe_path="turbo", remat_policy="dots_experts_attention", dtype="float32")
-    (ref_loss, ref_grads), ref_compiled = _step(micro_config(**base, expert_backward="autodiff"))
-    (loss, grads), compiled = _step(micro_config(**base, expert_backward="block"))
+    # 4 scanned MoE layers (+ the MTP block): their saved values, stacked over the layers, set the peak
+    base = dict(n_layers=5, max_seq_len=16, moe_path="turbo", remat_policy="dots_experts_attention", dtype="float32")
+    (ref_loss, ref_grads), ref_compiled = _step(get_config("tiny", **base, expert_backward="autodiff"))
+    (loss, grads), compiled = _step(get_config("tiny", **base, expert_backward="block"))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
     gemm_calls = lambda c: len(re.findall(r'custom_call_target="turbo_moe_grouped_gemm"', c.as_text()))
-    assert gemm_calls(compiled) == gemm_calls(ref_compiled) == 8  # 2 MoE blocks x (2 forward + 2 data gradient)
-    # the autodiff step keeps the permuted rows and the down output of both MoE blocks; the block keeps neither
+    # the scanned MoE block and the MTP block, each 2 forward + 2 data-gradient GEMMs in the program text
+    assert gemm_calls(compiled) == gemm_calls(ref_compiled) == 8
+    # the autodiff step keeps the permuted rows, the down output and act of every MoE layer; the block none of them
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
-    assert temp(compiled) < temp(ref_compiled), (temp(compiled), temp(ref_compiled))
+    assert temp(compiled) < 0.85 * temp(ref_compiled), (temp(compiled), temp(ref_compiled))
 
 
 def test_bad_expert_backward_and_shapes():

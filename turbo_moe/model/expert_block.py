@@ -9,8 +9,9 @@ combine weights' gradient). Inside a layer scan XLA copies each into the scan's 
   - with y = act @ W, out = sum_j w_j y_j and g = dL/dout, the combine weights' gradient comes from the down GEMM's
     data gradient run on the *unweighted* rows of g:  G = g @ W^T,  d_w = <act, G>,  d_act = w * G,
     dW = (w * act)^T @ g  -- the same sums as <y, g>, (w g) @ W^T and act^T (w g), without y.
-What the backward reads from the forward: h (gate/up output), act, the routing's row index and group sizes
-(all named for the remat policies, as `experts.expert_ffn` names them), the tokens and the combine weights.
+What the backward reads from the forward: h (gate/up output), the routing's row index and group sizes (named for
+the remat policies, as `experts.expert_ffn` names them), the tokens and the combine weights; act = SwiGLU(h) is
+computed again where the backward needs it (an elementwise pass over h instead of a saved copy).
 
 The grouped GEMM is any differentiable `GroupedGemm` (the turbo FFI kernel, the Pallas one); the permute and
 unpermute are the turbo_moe.ops FFI calls. Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g)
@@ -23,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, ExpertWeights, GroupedGemm, saved, swiglu_fused
 from turbo_moe.ops import _checks
@@ -53,12 +53,12 @@ def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
     with jax.named_scope("grouped_gemm"):
         h = saved(gemm(rows, w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
     with jax.named_scope("swiglu"):
-        act = checkpoint_name(swiglu_fused(h), EXPERT_SAVE_NAMES[4])  # (T*k, F)
+        act = swiglu_fused(h)  # (T*k, F)
     with jax.named_scope("grouped_gemm"):
         y_rows = gemm(act, w_down, group_sizes)  # (T*k, D): not kept for the backward
     with jax.named_scope("unpermute"):
         y = unpermute_call(y_rows, row_index, combine_w)
-    return y, group_sizes, (h, act, saved(row_index, ROW_INDEX_NAME))
+    return y, group_sizes, (h, saved(row_index, ROW_INDEX_NAME))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -68,12 +68,13 @@ def _block(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
 
 
 def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
-    y, group_sizes, (h, act, row_index) = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm)
-    return (y, group_sizes), (tokens, combine_w, w_gate_up, w_down, group_sizes, h, act, row_index)
+    y, group_sizes, (h, row_index) = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm)
+    return (y, group_sizes), (tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index)
 
 
 def _block_bwd(n_experts, gemm, residuals, cotangents):
-    tokens, combine_w, w_gate_up, w_down, group_sizes, h, act, row_index = residuals
+    tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
+    act = swiglu_fused(h)  # not saved: XLA fuses it into the two passes below that read it
     d_y = cotangents[0]  # (T, D); group_sizes are integers
     with jax.named_scope("unpermute"):
         g_rows = permute_rows_call(d_y.astype(act.dtype), row_index, group_sizes)  # unweighted rows of g
