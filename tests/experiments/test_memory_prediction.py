@@ -70,3 +70,21 @@ def test_states_follow_the_param_dtype_as_optax_keeps_them():
     assert accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="float32")["states"] == pytest.approx(10 * params)
     f32 = get_config("reduced", moe_path="turbo")
     assert accounting.memory_prediction(f32, 8, 2048)["states"] == pytest.approx(16 * params)
+
+
+def test_expert_block_keeps_less_than_autodiff_by_its_residuals():
+    """expert_backward="block" (one device or data parallel) keeps per copy only the gate/up output, plus the tokens:
+    the permuted rows (d), SwiGLU output (F) and down output (d) of every copy less; expert parallel keeps autodiff's."""
+    def saved(expert_backward, mesh=None):
+        cfg = get_config("reduced", moe_path="turbo", remat_policy="dots_experts_attention",
+                         expert_backward=expert_backward)
+        return cfg, accounting.memory_prediction(cfg, 8, 2048, mesh)["saved layers"]
+
+    cfg, autodiff = saved("autodiff")
+    _, block = saved("block")
+    per_token = cfg.top_k * (2 * cfg.d_model + cfg.moe_ffn_dim) - cfg.d_model  # bf16 values a token no longer keeps
+    moe_blocks = cfg.n_layers - cfg.n_dense_layers + cfg.mtp_depth
+    assert autodiff - block == pytest.approx(moe_blocks * 8 * 2048 * per_token * 2)
+    ep = accounting.MeshShape(expert=2)
+    assert saved("block", ep)[1] == saved("autodiff", ep)[1]
+    assert saved("block")[1] == saved("block", accounting.MeshShape(data=2))[1]

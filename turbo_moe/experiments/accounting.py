@@ -145,14 +145,23 @@ def attention_working_set_bytes(cfg: ModelConfig, per_device_batch: int, seq_len
     return tensors + scores
 
 
-def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
+def _expert_block(cfg: ModelConfig, path: str, expert_parallel: bool) -> bool:
+    """The path runs `model/expert_block.py`'s one VJP: the permute exchange on one device or data parallel."""
+    from turbo_moe.model.paths import ONE_DEVICE, path_row
+
+    return (cfg.expert_backward == "block" and not expert_parallel
+            and path_row(path, ONE_DEVICE).exchange == "permute")
+
+
+def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool, expert_parallel: bool = False) -> float:
     """Bytes one block keeps per token for its backward pass under ``cfg.remat_policy``.
 
     "full": the block input. "dots_no_batch" (and "dots", whose extra batched dots are attention and
     dense_cf's slot einsums): the input plus every projection output (MLA q/kv LoRA and up-projections,
     output projection, the float32 router gate, the shared expert or dense FFN). Grouped GEMMs (FFI
     calls, `ragged_dot`) and cuDNN attention are not dots: they are recomputed. "dots_experts_attention":
-    "dots_no_batch" plus the routed experts' rows, gate/up, SwiGLU and down outputs (per copy or capacity slot),
+    "dots_no_batch" plus the routed experts' rows, gate/up, SwiGLU and down outputs (per copy or capacity slot;
+    with the expert block, ``expert_backward="block"``, only the gate/up outputs and the block's input tokens),
     the routing's int32 picks and row index, and cuDNN attention's inputs, output and float32 softmax statistics.
     "none": the whole working set of the block (attention + FFN), at least the widest policy's set, stays.
     """
@@ -182,7 +191,10 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
         if moe:
             # per copy (dense_cf: per capacity slot, cf x top_k per token, unrounded)
             rows = cfg.top_k * (cfg.capacity_factor if _capacity_slots(cfg, path) else 1.0)
-            ffn += rows * (2 * d + 3 * cfg.moe_ffn_dim)  # rows in, gate/up out, SwiGLU out, down out
+            if _expert_block(cfg, path, expert_parallel):
+                ffn += rows * 2 * cfg.moe_ffn_dim + d  # gate/up out per copy, the tokens once
+            else:
+                ffn += rows * (2 * d + 3 * cfg.moe_ffn_dim)  # rows in, gate/up out, SwiGLU out, down out
             # int32 routing results: the router's picks, and the permute's row index where the path permutes
             ffn += cfg.top_k * 4 / act * (1 if _capacity_slots(cfg, path) else 2)
     return (d + attention + ffn + gate) * act
@@ -201,7 +213,7 @@ def activation_bytes_per_device(
                    kept from the forward pass.
     """
     tokens = per_device_batch * seq_len
-    per_token = (moe_blocks_with_mtp(cfg) * saved_values_per_token(cfg, path, True)
+    per_token = (moe_blocks_with_mtp(cfg) * saved_values_per_token(cfg, path, True, mesh.expert > 1)
                  + cfg.n_dense_layers * saved_values_per_token(cfg, path, False))
     saved = tokens * per_token / (mesh.pipeline * mesh.tensor)
     moe = moe_working_set_bytes(cfg, path, per_device_batch, seq_len) / mesh.tensor
