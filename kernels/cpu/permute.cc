@@ -11,6 +11,27 @@
 namespace turbo_moe {
 namespace {
 
+// The copy step of both handlers: x_sorted[row_index[b, t, j]] = x[b, t] for rows in [0, T*k) (rows in parallel
+// over chunks of tokens), then each batch's rows from valid[b] on zeroed.
+void copy_rows(ffi::ThreadPool& pool, const char* x_p, const int32_t* row_p, char* xs_p, int64_t batch, int64_t T,
+               int64_t k, int64_t row, const std::vector<int64_t>& valid) {
+  const int64_t slots = T * k;
+  constexpr int64_t kChunk = 256;  // tokens per parallel work item
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  parallel_for(&pool, batch * chunks, [&](int64_t item) {
+    const int64_t b = item / chunks, t0 = (item % chunks) * kChunk, t1 = std::min(T, t0 + kChunk);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t r = row_p[b * slots + t * k + j];
+        if (r >= 0 && r < slots) std::memcpy(xs_p + (b * slots + r) * row, x_p + (b * T + t) * row, row);
+      }
+  });
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t begin = std::min(valid[b], slots);
+    std::memset(xs_p + (b * slots + begin) * row, 0, (slots - begin) * row);
+  }
+}
+
 ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                        ffi::Result<ffi::Buffer<ffi::S32>> row_index,
@@ -50,18 +71,7 @@ ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
       row_p[b * slots + s] = (e >= 0 && e < E) ? static_cast<int32_t>(next[e]++) : -1;
     }
   }
-  constexpr int64_t kChunk = 256;  // tokens per parallel work item
-  const int64_t chunks = (T + kChunk - 1) / kChunk;
-  parallel_for(&pool, batch * chunks, [&](int64_t item) {
-    const int64_t b = item / chunks, t0 = (item % chunks) * kChunk, t1 = std::min(T, t0 + kChunk);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t r = row_p[b * slots + t * k + j];
-        if (r >= 0) std::memcpy(xs_p + (b * slots + r) * H * w, x_p + (b * T + t) * H * w, H * w);
-      }
-  });
-  for (int64_t b = 0; b < batch; ++b)
-    std::memset(xs_p + (b * slots + valid[b]) * H * w, 0, (slots - valid[b]) * H * w);
+  copy_rows(pool, x_p, row_p, xs_p, batch, T, k, H * w, valid);
   return ffi::Error::Success();
 }
 
@@ -76,26 +86,13 @@ ffi::Error PermuteRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   const int64_t rank = xd.size();
   const int64_t T = xd[rank - 2], H = xd[rank - 1], k = rd[rank - 1], E = gd[rank - 2];
   if (rd[rank - 2] != T) return invalid("permute_rows: row_index must have T rows like x");
-  const int64_t batch = leading_product(xd, 2), slots = T * k, row = H * byte_width(dt);
+  const int64_t batch = leading_product(xd, 2), row = H * byte_width(dt);
   const char* x_p = static_cast<const char*>(x.untyped_data());
-  const int32_t* row_p = row_index.typed_data();
   char* xs_p = static_cast<char*>(x_sorted->untyped_data());
-  constexpr int64_t kChunk = 256;  // tokens per parallel work item
-  const int64_t chunks = (T + kChunk - 1) / kChunk;
-  parallel_for(&pool, batch * chunks, [&](int64_t item) {
-    const int64_t b = item / chunks, t0 = (item % chunks) * kChunk, t1 = std::min(T, t0 + kChunk);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t r = row_p[b * slots + t * k + j];
-        if (r >= 0 && r < slots) std::memcpy(xs_p + (b * slots + r) * row, x_p + (b * T + t) * row, row);
-      }
-  });
-  for (int64_t b = 0; b < batch; ++b) {
-    int64_t total = 0;
-    for (int64_t e = 0; e < E; ++e) total += std::max<int32_t>(group_sizes.typed_data()[b * E + e], 0);
-    total = std::min(total, slots);
-    std::memset(xs_p + (b * slots + total) * row, 0, (slots - total) * row);
-  }
+  std::vector<int64_t> totals(batch, 0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t e = 0; e < E; ++e) totals[b] += std::max<int32_t>(group_sizes.typed_data()[b * E + e], 0);
+  copy_rows(pool, x_p, row_index.typed_data(), xs_p, batch, T, k, row, totals);
   return ffi::Error::Success();
 }
 
