@@ -118,3 +118,8 @@ def test_bad_expert_backward_and_shapes():
         expert_block(jnp.zeros((5, 8)), jnp.zeros((5, 2), jnp.int32), jnp.zeros((5, 3)), weights, 4, GEMMS["turbo"])
     with pytest.raises(TypeError, match="expert_ids"):
         expert_block(jnp.zeros((5, 8)), jnp.zeros((5, 2)), jnp.zeros((5, 2)), weights, 4, GEMMS["turbo"])
+    with pytest.raises(TypeError, match="tokens"):
+        expert_block(jnp.zeros((5, 8), jnp.int32), jnp.zeros((5, 2), jnp.int32), jnp.zeros((5, 2)), weights, 4,
+                     GEMMS["turbo"])
+    with pytest.raises(TypeError, match="n_experts must be a Python int"):
+        expert_block(jnp.zeros((5, 8)), jnp.zeros((5, 2), jnp.int32), jnp.zeros((5, 2)), weights, 4.0, GEMMS["turbo"])

@@ -37,11 +37,13 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
     """tokens (T, D), expert_ids (T, k) (ids outside [0, E) drop the copy), combine_w (T, k) float32 ->
     (y (T, D) = sum_j combine_w[t, j] * expert_{ids[t, j]}(tokens[t]), group_sizes (E,) int32)."""
     _checks.check_rank("tokens", tokens, 2, "(T, D)")
+    _checks.float_dtype("tokens", tokens.dtype)
     _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
     _checks.check_integer("expert_ids", expert_ids)
     if expert_ids.shape[0] != tokens.shape[0] or combine_w.shape != expert_ids.shape:
         raise ValueError(f"expert_ids and combine_w must be (T, k) with T = {tokens.shape[0]} like tokens (T, D), "
                          f"got {expert_ids.shape} and {combine_w.shape}")
+    n_experts = _checks.static_int("n_experts", n_experts)
     ids = _checks.index_as_int32(expert_ids, n_experts)
     return _block(tokens, ids, combine_w.astype(jnp.float32), weights.w_gate_up, weights.w_down, n_experts, gemm)
 
