@@ -94,6 +94,24 @@ def for_path(path, request, x, experts):
     return x.astype(jnp.bfloat16), jax.tree.map(lambda a: a.astype(jnp.bfloat16), experts), BF16_TOLERANCE
 
 
+@requires_turbo
+@pytest.mark.parametrize("exchange", ["deepep", "ragged_all_to_all"])
+def test_expert_backward_settings_agree_under_expert_parallelism(exchange):
+    """ModelConfig.expert_backward reaches each rank's local experts: "block" and "autodiff" give the same loss,
+    outputs and gradients under EP as on one device."""
+    x, routing, experts = problem(seed=5)
+    ref = loss_and_grads(moe_path_fn("turbo", CF, expert_backward="autodiff"), x, routing, experts)
+    for expert_backward in ("autodiff", "block"):
+        path = ep_moe_path("turbo", mesh=make_mesh(2, 2), capacity_factor=CF, ep_exchange=exchange,
+                           expert_backward=expert_backward)
+        got = loss_and_grads(path, x, routing, experts)
+        for name, a, e in zip(("loss", "y", "stats", "grads"), got, ref):
+            assert_close(a, e, f"turbo/{exchange} EP=2 {expert_backward}: {name}")
+        # the block's backward rebuilds the local experts' rows with permute_rows; autodiff never calls it
+        grad = jax.grad(lambda x: jnp.sum(path(x, routing, experts)[0]))
+        assert ("turbo_moe_permute_rows" in jax.jit(grad).lower(x).as_text()) == (expert_backward == "block")
+
+
 @pytest.mark.parametrize("data,expert", MESHES)
 @pytest.mark.parametrize("path,exchange", CASES)
 def test_loss_grads_and_stats_match_one_device(path, exchange, data, expert, request):

@@ -145,15 +145,14 @@ def attention_working_set_bytes(cfg: ModelConfig, per_device_batch: int, seq_len
     return tensors + scores
 
 
-def _expert_block(cfg: ModelConfig, path: str, expert_parallel: bool) -> bool:
-    """The path runs `model/expert_block.py`'s one VJP: the permute exchange on one device or data parallel."""
+def _expert_block(cfg: ModelConfig, path: str) -> bool:
+    """The path runs `model/expert_block.py`'s one VJP (the permute exchange; under EP around each rank's experts)."""
     from turbo_moe.model.paths import ONE_DEVICE, path_row
 
-    return (cfg.expert_backward == "block" and not expert_parallel
-            and path_row(path, ONE_DEVICE).exchange == "permute")
+    return cfg.expert_backward == "block" and path_row(path, ONE_DEVICE).exchange == "permute"
 
 
-def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool, expert_parallel: bool = False) -> float:
+def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
     """Bytes one block keeps per token for its backward pass under ``cfg.remat_policy``.
 
     "full": the block input. "dots_no_batch" (and "dots", whose extra batched dots are attention and
@@ -191,7 +190,7 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool, expert_parall
         if moe:
             # per copy (dense_cf: per capacity slot, cf x top_k per token, unrounded)
             rows = cfg.top_k * (cfg.capacity_factor if _capacity_slots(cfg, path) else 1.0)
-            if _expert_block(cfg, path, expert_parallel):
+            if _expert_block(cfg, path):
                 ffn += rows * 2 * cfg.moe_ffn_dim + d  # gate/up out per copy, the tokens once
             else:
                 ffn += rows * (2 * d + 3 * cfg.moe_ffn_dim)  # rows in, gate/up out, SwiGLU out, down out
@@ -213,7 +212,7 @@ def activation_bytes_per_device(
                    kept from the forward pass.
     """
     tokens = per_device_batch * seq_len
-    per_token = (moe_blocks_with_mtp(cfg) * saved_values_per_token(cfg, path, True, mesh.expert > 1)
+    per_token = (moe_blocks_with_mtp(cfg) * saved_values_per_token(cfg, path, True)
                  + cfg.n_dense_layers * saved_values_per_token(cfg, path, False))
     saved = tokens * per_token / (mesh.pipeline * mesh.tensor)
     moe = moe_working_set_bytes(cfg, path, per_device_batch, seq_len) / mesh.tensor

@@ -168,7 +168,8 @@ class ModelConfig:
     # "auto" (cuDNN on the GPU for bf16/f16, else XLA), "xla", "cudnn", or "cudnn_unpadded" (cuDNN with v at its own
     # width through JAX's private cuDNN entry point: no v pad; GPU only, elsewhere "auto"; layers.causal_attention)
     attention_impl: str = "auto"
-    # The routed experts' backward on the paths with the permute exchange (turbo, pallas), one device or data parallel:
+    # The routed experts' backward on the paths with the permute exchange (turbo, pallas; under expert parallelism each
+    # rank's local experts):
     # "block" (model/expert_block.py: one VJP over permute -> experts -> unpermute that keeps neither the permuted rows
     # nor the down GEMM's output for the backward pass) or "autodiff" (each op's own VJP). `reduced` b8 x 2048 on an
     # H200: -2.2 to -3.2 ms a step, -6.9 GiB compiled memory; gradients as exact (experiments/NOTES.md, calls 72-76).
