@@ -38,7 +38,9 @@ def on(device, fn, sel, bias):
 
 
 @pytest.mark.parametrize("skew", [False, True])
-@pytest.mark.parametrize("penalty, chunk", [(0.1, 128), (0.0, 128), (0.5, 100), (0.1, 7)])
+# chunk 128 / 100 / 7: a sequence's walk over a cluster of 8 / 8 / 7 blocks on Hopper; 1500 at S 2048: one block
+# (a chunk's lanes would need more than 1024 threads per cluster block)
+@pytest.mark.parametrize("penalty, chunk", [(0.1, 128), (0.0, 128), (0.5, 100), (0.1, 7), (0.1, 1500)])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cuda_equals_the_cpu_handler(shape, penalty, chunk, skew):
     B, S, E, k, G, tg = SHAPES[shape]
