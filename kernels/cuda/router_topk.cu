@@ -21,6 +21,7 @@ namespace turbo_moe {
 namespace {
 
 constexpr int64_t kMaxExperts = 4096, kMaxGroups = 64, kMaxTopK = 32;
+constexpr unsigned kMaxCluster = 8;  // blocks per sequence in the cluster walk (the portable cluster size)
 
 // a ranks before b: larger value, ties to the lower index (jax.lax.top_k's order).
 __device__ __forceinline__ bool ahead(float va, int ia, float vb, int ib) {
@@ -257,8 +258,12 @@ __global__ void __launch_bounds__(1024) penalized_cluster_kernel(const float* __
     if (start > 0) {
       const int* done = part + (parity ^ 1) * s.E;  // every block's picks in the previous chunk
       for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
+        int got[kMaxCluster];  // all remote reads in flight before the first add (a loop waited for each)
+#pragma unroll
+        for (unsigned r = 0; r < kMaxCluster; ++r) got[r] = r < C ? cluster.map_shared_rank(done, r)[e] : 0;
         int sum = 0;
-        for (unsigned r = 0; r < C; ++r) sum += cluster.map_shared_rank(done, r)[e];
+#pragma unroll
+        for (unsigned r = 0; r < kMaxCluster; ++r) sum += got[r];
         counts[e] += sum;
       }
       chunk_penalty(s, start, prior, penalty, counts, pen);  // the same e per thread as the sum above
@@ -297,7 +302,7 @@ template <int PER>
 void launch_lanes_walk(const float* sel, const float* bias, int32_t* ids, const Shape& s, float penalty,
                        int64_t chunk, int64_t prior, cudaStream_t stream) {
   const int L = s.n_groups;
-  const int64_t C = std::min<int64_t>(8, chunk), per_block = ceil_div(chunk, C);
+  const int64_t C = std::min<int64_t>(kMaxCluster, chunk), per_block = ceil_div(chunk, C);
   const int64_t cluster_threads = ceil_div(per_block * L, 32) * 32;
   const size_t cluster_smem = 5 * s.E * sizeof(float);  // bias, penalty, counts, two chunks' own picks
   if (cluster_threads <= 1024 && cluster_smem <= 48 * 1024 && s.sequences * C <= INT32_MAX &&
