@@ -10,10 +10,10 @@ Each case lowers the train step on abstract inputs and compiles it (nothing is a
 than the device still report what they would need): measured = arguments + temporaries + outputs not
 aliased to an argument (the peak XLA plans for; `turbo_moe.train.run` reports the same numbers as
 `compiled_*`). The prediction is `accounting.memory_prediction` for a one-device mesh. One CSV row per
-case, written as each case finishes. A case's overrides are ModelConfig fields, except `adam_mu_dtype`
-(TrainConfig's: given to the optimizer and to the prediction). `--autotune-level 0` (default) skips GEMM
-autotuning so a case compiles in ~10 s instead of ~25 s; `--autotune-level xla` checks that the choice
-moves the numbers.
+case, written as each case finishes. A case's overrides are ModelConfig fields, except `adam_mu_dtype` and
+`adam_nu_dtype` (TrainConfig's: given to the optimizer and to the prediction). `--autotune-level 0` (default)
+skips GEMM autotuning so a case compiles in ~10 s instead of ~25 s; `--autotune-level xla` checks that the
+choice moves the numbers.
 """
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ def measure(preset: str, path: str, batch: int, seq: int, overrides: dict, autot
     from turbo_moe.train import TrainConfig
     from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
 
-    model_overrides = {k: v for k, v in overrides.items() if k != "adam_mu_dtype"}
-    mu_dtype = overrides.get("adam_mu_dtype")
+    model_overrides = {k: v for k, v in overrides.items() if k not in ("adam_mu_dtype", "adam_nu_dtype")}
+    mu_dtype, nu_dtype = overrides.get("adam_mu_dtype"), overrides.get("adam_nu_dtype")
     cfg = get_config(preset, **{"capacity_factor": 1.25, **model_overrides}, moe_path=path)
-    tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq, adam_mu_dtype=mu_dtype))
+    tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq, adam_mu_dtype=mu_dtype,
+                                    adam_nu_dtype=nu_dtype))
     mesh = make_mesh(jax.devices()[:1])
     program = build_program(cfg, tx, mesh, True, autotune)
     t0 = time.perf_counter()
@@ -64,7 +65,7 @@ def measure(preset: str, path: str, batch: int, seq: int, overrides: dict, autot
     args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     outputs = max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0)
     measured = args + temp + outputs
-    predicted = memory_prediction(cfg, batch, seq, adam_mu_dtype=mu_dtype)
+    predicted = memory_prediction(cfg, batch, seq, adam_mu_dtype=mu_dtype, adam_nu_dtype=nu_dtype)
     row = {"preset": preset, "moe_path": path, "per_device_batch": batch, "seq_len": seq,
            "overrides": json.dumps(overrides), "remat_policy": cfg.remat_policy, "gpu_autotune_level": autotune,
            "compile_s": round(time.perf_counter() - t0, 2), "arguments_gib": args / GIB, "temp_gib": temp / GIB,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 WINDOWS = ((3, 23), (23, 50), (50, 80), (80, 110), (110, 150))  # a window past a run's end is left out
 # the opt-in speed switches of issue 14 (README "Faster steps"): a run with any of them is labelled "+ cuts"
-CUT_KEYS = ("adam_mu_dtype", "cast_params_before_scan", "loss_chunk_tokens")
+CUT_KEYS = ("adam_mu_dtype", "adam_nu_dtype", "cast_params_before_scan", "loss_chunk_tokens")
 
 
 def load_runs(folder: Path) -> list[dict]:

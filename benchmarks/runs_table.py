@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import write_csv  # noqa: E402
 
 GIB = 2**30
-SWITCHES = ("remat_policy", "adam_mu_dtype", "cast_params_before_scan", "loss_chunk_tokens", "param_dtype",
-            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_center_causal",
-            "router_seq_load_penalty")
+SWITCHES = ("remat_policy", "adam_mu_dtype", "adam_nu_dtype", "cast_params_before_scan", "loss_chunk_tokens",
+            "param_dtype", "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth",
+            "router_center_causal", "router_seq_load_penalty")
 
 
-_SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "cast_params_before_scan": "cast",
+_SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "adam_nu_dtype": "nu", "cast_params_before_scan": "cast",
           "loss_chunk_tokens": "chunk", "param_dtype": "params", "router_center_causal": "center",
           "router_seq_load_penalty": "seqload"}
 
@@ -59,7 +59,8 @@ def _resolved(config: dict):
 def _predicted_gib(tc, cfg) -> float:
     from turbo_moe.experiments.accounting import memory_prediction
 
-    pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len or cfg.max_seq_len, adam_mu_dtype=tc.adam_mu_dtype)
+    pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len or cfg.max_seq_len, adam_mu_dtype=tc.adam_mu_dtype,
+                             adam_nu_dtype=tc.adam_nu_dtype)
     return sum(pred.values()) / GIB
 
 

@@ -37,6 +37,7 @@ def test_regime_is_read_from_the_timed_steps_only(runs_table):
 
 
 def test_row_resolves_defaults_and_compares_memory(runs_table, tmp_path):
+    from turbo_moe.experiments import accounting
     from turbo_moe.experiments.accounting import memory_prediction
     from turbo_moe.model import get_config
 
@@ -51,6 +52,13 @@ def test_row_resolves_defaults_and_compares_memory(runs_table, tmp_path):
     expected = sum(memory_prediction(get_config("reduced", moe_path="turbo"), 8, 2048, adam_mu_dtype="bfloat16").values())
     assert row["predicted_gib"] == pytest.approx(expected / 2**30)
     assert row["predicted_over_measured"] == pytest.approx(row["predicted_gib"] / 40)
+    # a bf16 second moment: listed as a switch, 2 bytes a parameter less predicted
+    nu_record = {**record, "config": {**record["config"], "adam_nu_dtype": "bfloat16"}}
+    nu_row = runs_table.row(nu_record, path)
+    assert row["adam_nu_dtype"] is None and nu_row["adam_nu_dtype"] == "bfloat16"
+    params = accounting.param_budget(get_config("reduced", moe_path="turbo"))["allocated (with MTP)"]
+    assert row["predicted_gib"] - nu_row["predicted_gib"] == pytest.approx(2 * params / 2**30)
+    assert runs_table._switch_label("adam_nu_dtype", "bfloat16") == " nu=bfloat16"
     failed = {**_record([1.0] * 4, status="oom", measured=None), "history": []}
     oom = runs_table.row(failed, path)
     assert oom["measured_gib"] is None and math.isnan(oom["load_max_over_mean_timed"])

@@ -53,6 +53,15 @@ def test_issue14_switches_move_their_terms():
     assert accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="float32") == base
     with pytest.raises(ValueError, match="adam_mu_dtype"):
         accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="float16")
+    # bf16 second moment (adam_nu_dtype): 2 bytes less per parameter again, only in the states; both: 4 less
+    bf16_nu = accounting.memory_prediction(cfg, 8, 2048, adam_nu_dtype="bfloat16")
+    assert base["states"] - bf16_nu["states"] == pytest.approx(2 * params)
+    assert {k: bf16_nu[k] for k in base if k != "states"} == {k: base[k] for k in base if k != "states"}
+    both = accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="bfloat16", adam_nu_dtype="bfloat16")
+    assert base["states"] - both["states"] == pytest.approx(4 * params)
+    assert accounting.memory_prediction(cfg, 8, 2048, adam_nu_dtype="float32") == base
+    with pytest.raises(ValueError, match="adam_nu_dtype"):
+        accounting.memory_prediction(cfg, 8, 2048, adam_nu_dtype="float16")
     # chunked loss: one chunk of 4096 tokens (8 x 512 positions) instead of every head's 16k x V logits
     chunked = accounting.memory_prediction(cfg.replace(loss_chunk_tokens=4096), 8, 2048)
     v, d, heads = cfg.vocab_size, cfg.d_model, 1 + cfg.mtp_depth
@@ -68,6 +77,8 @@ def test_states_follow_the_param_dtype_as_optax_keeps_them():
     params = accounting.param_budget(cfg)["allocated (with MTP)"]
     assert accounting.memory_prediction(cfg, 8, 2048)["states"] == pytest.approx(8 * params)
     assert accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="float32")["states"] == pytest.approx(10 * params)
+    both = accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="float32", adam_nu_dtype="float32")
+    assert both["states"] == pytest.approx(12 * params)
     f32 = get_config("reduced", moe_path="turbo")
     assert accounting.memory_prediction(f32, 8, 2048)["states"] == pytest.approx(16 * params)
 

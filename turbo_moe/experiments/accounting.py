@@ -3,8 +3,8 @@
 Used by ``03_full_deepseek`` for the exact DeepSeek-V3-671B config, where nothing can be allocated.
 The estimates are analytic and state their assumptions:
 
-- Training states (AdamW): parameters and gradients in ``param_dtype`` plus two float32 moments (the first
-  in bfloat16 with ``TrainConfig.adam_mu_dtype="bfloat16"``).
+- Training states (AdamW): parameters and gradients in ``param_dtype`` plus two moments in ``param_dtype``
+  (each in bfloat16 with ``TrainConfig.adam_mu_dtype`` / ``adam_nu_dtype="bfloat16"``).
   Routed-expert weights are split over ``expert x tensor x pipeline``, the other weights over
   ``tensor x pipeline``; with ``fsdp`` both are further split over ``data`` (ZeRO-3 style).
 - Activations for ``per_device_batch`` sequences, at the start of the backward pass: every layer's saved
@@ -110,12 +110,15 @@ def _per_device(routed: float, other: float, mesh: MeshShape) -> float:
             + other / (mesh.tensor * mesh.pipeline * data_split * (mesh.expert if mesh.fsdp else 1)))
 
 
-def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str | None = None) -> float:
-    """AdamW training states per device: params + grads + the second moment (all three in param_dtype, as
-    optax keeps them) + the first moment (``adam_mu_dtype``, as ``TrainConfig.adam_mu_dtype``; None: param_dtype)."""
-    if adam_mu_dtype not in (None, "bfloat16", "float32"):
-        raise ValueError(f"adam_mu_dtype must be None, 'bfloat16' or 'float32', got {adam_mu_dtype!r}")
-    per_param = 3 * _BYTES[cfg.param_dtype] + _BYTES[adam_mu_dtype or cfg.param_dtype]
+def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str | None = None,
+                           adam_nu_dtype: str | None = None) -> float:
+    """AdamW training states per device: params + grads (in param_dtype) + the first and second moments
+    (``adam_mu_dtype`` / ``adam_nu_dtype``, as the TrainConfig fields; None: param_dtype, as optax keeps them)."""
+    for name, dtype in (("adam_mu_dtype", adam_mu_dtype), ("adam_nu_dtype", adam_nu_dtype)):
+        if dtype not in (None, "bfloat16", "float32"):
+            raise ValueError(f"{name} must be None, 'bfloat16' or 'float32', got {dtype!r}")
+    per_param = (2 * _BYTES[cfg.param_dtype] + _BYTES[adam_mu_dtype or cfg.param_dtype]
+                 + _BYTES[adam_nu_dtype or cfg.param_dtype])
     budget = param_budget(cfg)
     return per_param * _per_device(budget["routed experts"], budget["other"], mesh)
 
@@ -229,14 +232,15 @@ def activation_bytes_per_device(
 
 
 def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
-                      mesh: MeshShape | None = None, adam_mu_dtype: str | None = None) -> dict[str, float]:
+                      mesh: MeshShape | None = None, adam_mu_dtype: str | None = None,
+                      adam_nu_dtype: str | None = None) -> dict[str, float]:
     """Predicted peak bytes per device of one training step of ``cfg`` (its own ``moe_path``): AdamW
-    states (parameters, gradients, two moments; ``adam_mu_dtype`` as the TrainConfig field) plus the
-    activations above. Checked against XLA's buffer assignment by ``benchmarks/memory_check.py``
+    states (parameters, gradients, two moments; ``adam_mu_dtype`` / ``adam_nu_dtype`` as the TrainConfig fields)
+    plus the activations above. Checked against XLA's buffer assignment by ``benchmarks/memory_check.py``
     (experiments/NOTES.md, issue 12)."""
     mesh = mesh or MeshShape()
     _check_path(cfg.moe_path)
-    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype),
+    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype, adam_nu_dtype),
             **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len)}
 
 

@@ -12,6 +12,9 @@ from turbo_moe.model import ModelConfig, get_config
 _POSITIVE_INTS = ("per_device_batch", "steps", "log_every", "keep_checkpoints", "expert_parallel")
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "skip_steps_for_tgs", "seed")
 ADAM_MU_DTYPES = (None, "bfloat16", "float32")
+ADAM_NU_DTYPES = (None, "bfloat16", "float32")
+# bfloat16 keeps 8 significant bits: for adam_b2 above 1 - 2**-8 the decay b2 * nu can round back to nu.
+BF16_NU_MAX_B2 = 1 - 2**-8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,10 @@ class TrainConfig:
     # AdamW first-moment storage dtype (optax mu_dtype); None: the parameters' dtype (float32). "bfloat16"
     # halves mu's bytes: the update is memory-bound (experiments/NOTES.md, issue 14).
     adam_mu_dtype: str | None = None
+    # AdamW second-moment storage dtype (a wrapper around optax's adamw, turbo_moe.train.step.with_adam_nu_dtype);
+    # None: the parameters' dtype. "bfloat16" with a bf16 mu is DeepSeek-V3's recipe (both moments in BF16) and
+    # needs adam_b2 <= 1 - 2**-8 (BF16_NU_MAX_B2), else nu cannot decay.
+    adam_nu_dtype: str | None = None
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     remat_policy: str | None = None  # overrides the model's remat_policy when set
     eval_every: int = 25  # 0: only at the end
@@ -164,6 +171,11 @@ def _validate(c: TrainConfig) -> None:
         _require(_is_number(value) and 0 <= value <= 1, name, f"must be in [0, 1], got {value!r}")
     _require(c.adam_mu_dtype is None or (isinstance(c.adam_mu_dtype, str) and c.adam_mu_dtype in ADAM_MU_DTYPES),
              "adam_mu_dtype", f"got {c.adam_mu_dtype!r}; expected one of {ADAM_MU_DTYPES}")
+    _require(c.adam_nu_dtype is None or (isinstance(c.adam_nu_dtype, str) and c.adam_nu_dtype in ADAM_NU_DTYPES),
+             "adam_nu_dtype", f"got {c.adam_nu_dtype!r}; expected one of {ADAM_NU_DTYPES}")
+    _require(c.adam_nu_dtype != "bfloat16" or c.adam_b2 <= BF16_NU_MAX_B2, "adam_nu_dtype",
+             f"'bfloat16' needs adam_b2 <= 1 - 2**-8 (~{BF16_NU_MAX_B2:.4f}), got adam_b2={c.adam_b2!r}: bfloat16 "
+             f"keeps 8 significant bits, so b2 * nu can round back to nu and the second moment stops shrinking")
     _require(_is_number(c.val_fraction) and 0 < c.val_fraction < 1, "val_fraction",
              f"must be in (0, 1), got {c.val_fraction!r}")
     _require(isinstance(c.dataset, str) and c.dataset != "", "dataset",
