@@ -68,6 +68,9 @@ def test_issue14_switches_move_their_terms():
     expected = 4096 * v * (4 + 4 + 2) + heads * (8 * 2048 * d + d * v) * 4
     assert chunked["logits"] == pytest.approx(expected) and chunked["logits"] < base["logits"] / 3
     assert {k: chunked[k] for k in base if k != "logits"} == {k: base[k] for k in base if k != "logits"}
+    # bf16 logits (ModelConfig.logits_dtype): the chunk's logits as the head GEMM writes them, 2 B instead of 4
+    bf16_logits = accounting.memory_prediction(cfg.replace(loss_chunk_tokens=4096, logits_dtype="bfloat16"), 8, 2048)
+    assert chunked["logits"] - bf16_logits["logits"] == pytest.approx(4096 * v * 2)
 
 
 def test_states_follow_the_param_dtype_as_optax_keeps_them():

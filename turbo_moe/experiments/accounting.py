@@ -211,8 +211,8 @@ def activation_bytes_per_device(
     live layer     one block's working set, rebuilt by remat during its backward;
     logits         float32 logits of the main and MTP heads, kept for the loss's backward, plus the
                    gradient of one of them; with ``loss_chunk_tokens`` (``chunked_loss``) one chunk's
-                   float32 logits and gradient, plus each head's float32 gradients (hidden and head weight)
-                   kept from the forward pass.
+                   logits (``logits_dtype``) and float32 gradient, plus each head's float32 gradients (hidden
+                   and head weight) kept from the forward pass.
     """
     tokens = per_device_batch * seq_len
     per_token = (moe_blocks_with_mtp(cfg) * saved_values_per_token(cfg, path, True)
@@ -223,7 +223,8 @@ def activation_bytes_per_device(
     if cfg.loss_chunk_tokens:
         # a chunk spans the global batch (split over data x expert) and loss_chunk_tokens // batch positions
         positions = max(1, min(seq_len, cfg.loss_chunk_tokens // (per_device_batch * mesh.data * mesh.expert)))
-        chunk = per_device_batch * positions * cfg.vocab_size * (4 + 4 + _BYTES[cfg.dtype])  # logits, grad, cast
+        # one chunk's logits (as the head GEMM writes them), their float32 gradient and its compute-dtype cast
+        chunk = per_device_batch * positions * cfg.vocab_size * (_BYTES[cfg.logits_dtype] + 4 + _BYTES[cfg.dtype])
         kept = (1 + cfg.mtp_depth) * (tokens * cfg.d_model + cfg.d_model * cfg.vocab_size) * 4
         logits = (chunk + kept) / mesh.tensor
     else:

@@ -11,6 +11,8 @@ dL/dlogits in the compute dtype (bf16 by default) with float32 accumulation, lik
 backward; the unchunked path multiplies the float32 dL/dlogits by the bf16 operands upcast to float32.
 dL/dhead (and dL/dbias of an optional float32 head bias, an extra row of the same GEMM) is accumulated over the
 chunks in float32. The log-sum-exp is one pass over each chunk's logits (a running max and rescaled sum).
+With `logits_dtype="bfloat16"` the head GEMM rounds the logits to bf16 (MaxText's default) and the loss upcasts
+them: its arithmetic stays float32, its passes read half the bytes.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ import jax.numpy as jnp
 
 
 def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, targets: jax.Array, mask: jax.Array,
-                          chunk_tokens: int, vocab_major: bool = False, bias: jax.Array | None = None
-                          ) -> jax.Array:
+                          chunk_tokens: int, vocab_major: bool = False, bias: jax.Array | None = None,
+                          logits_dtype: str = "float32") -> jax.Array:
     """Mean token cross-entropy over `mask` of the logits `hidden @ head`: `model.cross_entropy` of
     `model.logits(hidden)`, without the (B, S, V) logits.
 
     hidden (B, S, D) in the compute dtype (final-normalised); weight (D, V), or (V, D) with `vocab_major`
     (a tied embedding table), in the parameter dtype (cast to hidden's dtype per chunk); bias None or
-    (V,) float32, added to the float32 logits (`ModelConfig.head_bias`); targets, mask (B, S). A chunk
+    (V,) float32, added to the float32 logits (`ModelConfig.head_bias`); targets, mask (B, S); `logits_dtype`
+    ("float32" or "bfloat16", `ModelConfig.logits_dtype`) what the head GEMM writes, upcast by the loss. A chunk
     spans every sequence of the batch and `max(1, chunk_tokens // B)` positions (chunks
     over positions keep a batch sharded over devices evenly split); the last chunk is zero-padded and
     masked when the positions do not divide.
@@ -46,7 +49,10 @@ def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, targets: jax.Arr
     vocab = weight.shape[vocab_axis]
     if bias is not None and (bias.shape != (vocab,) or bias.dtype != jnp.float32):
         raise ValueError(f"bias must be float32 ({vocab},) (the head's vocabulary), got {bias.dtype}{tuple(bias.shape)}")
-    static = (chunk_tokens, bool(vocab_major), jnp.dtype(hidden.dtype).name, jnp.dtype(weight.dtype).name)
+    if logits_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"logits_dtype must be 'float32' or 'bfloat16', got {logits_dtype!r}")
+    static = (chunk_tokens, bool(vocab_major), jnp.dtype(hidden.dtype).name, jnp.dtype(weight.dtype).name,
+              logits_dtype)
     return _cross_entropy(hidden, weight, bias, targets.astype(jnp.int32), mask.astype(jnp.float32), static)
 
 
@@ -75,9 +81,11 @@ def _equations(vocab_major: bool) -> tuple[str, str, str]:
     return f"bpd,{w}->bpv", f"bpv,{w}->bpd", f"bpd,bpv->{w}"
 
 
-def _chunk_logits(h, weight, bias, vocab_major):
-    """One chunk's float32 logits (B, P, V), as `DeepSeekModel.logits` computes them."""
-    logits = jnp.einsum(_equations(vocab_major)[0], h, weight.astype(h.dtype), preferred_element_type=jnp.float32)
+def _chunk_logits(h, weight, bias, vocab_major, logits_dtype):
+    """One chunk's float32 logits (B, P, V), as `DeepSeekModel.logits` computes them: the GEMM writes
+    `logits_dtype` (bf16: half the bytes for the passes that read them; XLA fuses the upcast into those)."""
+    logits = jnp.einsum(_equations(vocab_major)[0], h, weight.astype(h.dtype),
+                        preferred_element_type=jnp.dtype(logits_dtype)).astype(jnp.float32)
     return logits if bias is None else logits + bias
 
 
@@ -111,11 +119,11 @@ def _split(hidden, targets, mask, chunk_tokens):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _cross_entropy(hidden, weight, bias, targets, mask, static):
     """Loss only (evaluation, or the primal of the VJP): one chunk's logits live at a time."""
-    chunk_tokens, vocab_major, _, _ = static
+    chunk_tokens, vocab_major, _, _, logits_dtype = static
 
     def body(total, xs):
         h, t, m = xs
-        nll, _ = _nll(_chunk_logits(h, weight, bias, vocab_major), t)
+        nll, _ = _nll(_chunk_logits(h, weight, bias, vocab_major, logits_dtype), t)
         return total + jnp.sum(nll * m), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), _split(hidden, targets, mask, chunk_tokens))
@@ -136,7 +144,7 @@ def _with_ones_column(h):
 
 def _cross_entropy_fwd(hidden, weight, bias, targets, mask, static):
     """Loss and its gradients in one pass over the chunks; the gradients are the residuals."""
-    chunk_tokens, vocab_major, _, _ = static
+    chunk_tokens, vocab_major, _, _, logits_dtype = static
     _, grad_hidden_eq, grad_weight_eq = _equations(vocab_major)
     inv_count = 1.0 / jnp.maximum(jnp.sum(mask), 1.0)
     d = hidden.shape[-1]
@@ -144,7 +152,7 @@ def _cross_entropy_fwd(hidden, weight, bias, targets, mask, static):
     def body(carry, xs):
         total, grad_weight = carry
         h, t, m = xs
-        logits = _chunk_logits(h, weight, bias, vocab_major)  # (B, P, V) float32
+        logits = _chunk_logits(h, weight, bias, vocab_major, logits_dtype)  # (B, P, V) float32
         nll, lse = _nll(logits, t)
         # d(sum m * nll / count) / dlogits = (softmax - onehot(target)) * m / count
         grad_logits = (jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
@@ -167,7 +175,7 @@ def _cross_entropy_fwd(hidden, weight, bias, targets, mask, static):
 
 
 def _cross_entropy_bwd(static, residuals, g):
-    _, _, hidden_dtype, weight_dtype = static
+    _, _, hidden_dtype, weight_dtype, _ = static
     grad_h, grad_weight, grad_bias = residuals  # float32: one rounding, after the cotangent's scale
     return ((grad_h * g).astype(hidden_dtype), (grad_weight * g).astype(weight_dtype),
             None if grad_bias is None else grad_bias * g, None, None)

@@ -23,6 +23,7 @@ EMBEDDING_GRADS = ("scatter", "matmul", "segment")  # turbo_moe/model/embedding.
 EXPERT_BACKWARDS = ("autodiff", "block")  # turbo_moe/model/expert_block.py
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
+LOGITS_DTYPES = ("float32", "bfloat16")
 # The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.
 MAX_SEQ_LOAD_CHUNKS = 64
 
@@ -83,6 +84,10 @@ class ModelConfig:
     # > 0: the main and MTP cross-entropies run the head over chunks of ~this many tokens of the batch
     # (`chunked_loss`): no float32 (tokens, vocab) logits or their gradient for the whole batch. 0: unchunked.
     loss_chunk_tokens: int = 0
+    # The output heads' logits as the head GEMM writes them: "float32" (float32 accumulators kept), or "bfloat16"
+    # (rounded to bf16 by the GEMM, upcast by the loss: MaxText's default, logits_dot_in_fp32=False with
+    # cast_logits_to_fp32). bf16 halves the bytes the loss's passes read (issue 14); the loss math stays float32.
+    logits_dtype: str = "float32"
     balance_loss_weight: float = 1e-4
     router_bias_rate: float = 1e-3
     moe_path: str = "ragged"
@@ -336,6 +341,7 @@ def _validate(c: ModelConfig) -> None:
     _require(c.router_topk_impl in ROUTER_TOPK_IMPLS, "router_topk_impl",
              f"got {c.router_topk_impl!r}; expected one of {ROUTER_TOPK_IMPLS}")
     _require(c.head_bias in HEAD_BIASES, "head_bias", f"got {c.head_bias!r}; expected one of {HEAD_BIASES}")
+    _require(c.logits_dtype in LOGITS_DTYPES, "logits_dtype", f"got {c.logits_dtype!r}; expected one of {LOGITS_DTYPES}")
     _require(c.router_bias_update in ROUTER_BIAS_UPDATES, "router_bias_update",
              f"got {c.router_bias_update!r}; expected one of {ROUTER_BIAS_UPDATES}")
     for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "init_std", "router_lr_scale"):

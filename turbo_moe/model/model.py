@@ -67,18 +67,20 @@ class DeepSeekModel(nnx.Module):
         self.moe_layers = BlockStack(cfg, n_dense, n_moe, rngs) if n_moe else None
         self.final_norm = RMSNorm(cfg.d_model, cfg)
         self.head = None if cfg.tie_embeddings else linear(
-            cfg, cfg.d_model, cfg.vocab_size, rngs, preferred_element_type=jnp.float32)
+            cfg, cfg.d_model, cfg.vocab_size, rngs, preferred_element_type=jnp.dtype(cfg.logits_dtype))
         # float32 whatever the param dtype: log-frequencies span ~15 nats, bf16 would round them by ~0.06
         self.head_bias = None if cfg.head_bias == "none" else nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
         self.mtp = nnx.List([MTPModule(cfg, d + 1, rngs) for d in range(cfg.mtp_depth)])
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """Normalised hidden (B, S, D) -> float32 logits (B, S, V) through the (shared) output head."""
+        """Normalised hidden (B, S, D) -> float32 logits (B, S, V) through the (shared) output head (the GEMM's
+        output in `cfg.logits_dtype`, upcast)."""
         if self.head is None:
             logits = jnp.einsum("bsd,vd->bsv", h, self.embed.embedding[...].astype(h.dtype),
-                                preferred_element_type=jnp.float32)
+                                preferred_element_type=jnp.dtype(self.cfg.logits_dtype))
         else:
-            logits = self.head(h).astype(jnp.float32)
+            logits = self.head(h)
+        logits = logits.astype(jnp.float32)
         return logits if self.head_bias is None else logits + self.head_bias[...]
 
     def head_weight(self) -> tuple[jax.Array, bool, jax.Array | None]:
@@ -197,7 +199,7 @@ def lm_loss(model: DeepSeekModel, batch: dict) -> tuple[jax.Array, dict]:
     if cfg.loss_chunk_tokens:
         weight, vocab_major, bias = model.head_weight()
         cross_entropy_fn = lambda h, t, m: chunked_cross_entropy(h, weight, t, m, cfg.loss_chunk_tokens, vocab_major,
-                                                                 bias=bias)
+                                                                 bias=bias, logits_dtype=cfg.logits_dtype)
     else:
         cross_entropy_fn = cross_entropy
     with jax.named_scope("loss"):
