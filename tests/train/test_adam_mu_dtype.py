@@ -35,34 +35,42 @@ def test_round_trip_and_default_unchanged():
         check_resume_config({"adam_mu_dtype": "bfloat16"}, {"adam_mu_dtype": None})
 
 
-def test_bf16_mu_trains_and_checkpoints_with_its_dtype(tmp_path):
+@pytest.mark.parametrize("nu_dtype", [None, "bfloat16"])  # mu alone; both moments (DeepSeek-V3's recipe)
+def test_bf16_moments_train_and_checkpoint_with_their_dtype(tmp_path, nu_dtype):
     cfg = get_config("tiny", n_layers=2, mtp_depth=0)  # fast compile
-    tc = TrainConfig(model=cfg, dataset="synthetic", seq_len=16, steps=4, warmup_steps=1, adam_mu_dtype="bfloat16")
+    tc = TrainConfig(model=cfg, dataset="synthetic", seq_len=16, steps=4, warmup_steps=1, adam_mu_dtype="bfloat16",
+                     adam_nu_dtype=nu_dtype)
+    want_nu = jnp.dtype(nu_dtype or jnp.float32)
     mesh = make_mesh(jax.devices()[:1])
     program = build_program(cfg, make_optimizer(tc), mesh)
     state = program.init(jax.random.key(0))
-    adam = _adam_state(state.opt_state)
-    assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
-    assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype(jnp.float32)}
-    assert jax.tree.leaves(program.abstract_state.opt_state)[1].dtype == jax.tree.leaves(state.opt_state)[1].dtype
+    for adam in (_adam_state(state.opt_state), _adam_state(program.abstract_state.opt_state)):  # the step's layout too
+        assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
+        assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {want_nu}
 
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     compiled = program.train.lower(program.abstract_state, abstract_batch(2, 16, mesh)).compile()
-    for _ in range(2):
+    for _ in range(3):
         state, metrics = compiled(state, batch)
         assert np.isfinite(float(metrics["loss"]))
-    mu = _adam_state(state.opt_state).mu
-    assert {x.dtype for x in jax.tree.leaves(mu)} == {jnp.dtype(jnp.bfloat16)}
-    assert any(float(jnp.abs(x.astype(jnp.float32)).max()) > 0 for x in jax.tree.leaves(mu))
+    adam = _adam_state(state.opt_state)
+    assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {want_nu}
+    assert any(float(jnp.abs(x.astype(jnp.float32)).max()) > 0 for x in jax.tree.leaves(adam.mu))
+    assert all(float(x.astype(jnp.float32).min()) >= 0 for x in jax.tree.leaves(adam.nu))
+    assert any(float(x.astype(jnp.float32).max()) > 0 for x in jax.tree.leaves(adam.nu))
 
     ckpt = Checkpointer(tmp_path / "ckpt")
-    ckpt.save(2, state, {"step": 2, "config": tc.to_dict()})
+    ckpt.save(3, state, {"step": 3, "config": tc.to_dict()})
     assert ckpt.finish() is None
     restored, record = Checkpointer(tmp_path / "ckpt").restore(program.abstract_state, config=tc.to_dict())
-    assert record["step"] == 2
+    assert record["step"] == 3
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     state, metrics = compiled(restored, batch)  # the restored state runs the same executable
     assert np.isfinite(float(metrics["loss"]))
+    changed = "adam_nu_dtype" if nu_dtype else "adam_mu_dtype"  # resuming with another moment dtype is refused
+    with pytest.raises(ValueError, match=f"{changed}='bfloat16' in the checkpoint, None now"):
+        Checkpointer(tmp_path / "ckpt").restore(program.abstract_state, config=tc.replace(**{changed: None}).to_dict())
