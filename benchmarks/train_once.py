@@ -35,7 +35,7 @@ def main() -> None:
         record = {"config": json.loads(text), "status": result.status, "error": result.error,
                   "summary": result.summary, "provenance": result.provenance, "history": result.history}
         path = out / f"{i}_{config.model_config().moe_path}.json"
-        path.write_text(json.dumps(record, default=str, indent=1))
+        path.write_text(json.dumps(record, default=str, separators=(",", ":")))  # compact: records travel to the GPU machine (64 MiB)
         brief = {k: (result.status if k == "status" else result.summary.get(k)) for k in keys}
         print(json.dumps({"config": json.loads(text), **brief}, default=str), flush=True)
         if result.error:
