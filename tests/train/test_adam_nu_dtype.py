@@ -11,7 +11,8 @@ import pytest
 
 from turbo_moe.train import TrainConfig
 from turbo_moe.train.checkpoint import check_resume_config
-from turbo_moe.train.step import make_optimizer, with_adam_nu_dtype
+from turbo_moe.train.low_precision_adam import with_adam_nu_dtype
+from turbo_moe.train.step import make_optimizer
 
 BF16 = jnp.dtype(jnp.bfloat16)
 
@@ -187,3 +188,58 @@ def test_float32_params_with_float32_nu_is_the_plain_optimizer():
     for r, s in zip(ref, same):
         for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(s)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stochastic_rounding_is_unbiased_and_exact_where_it_can_be():
+    from turbo_moe.train.low_precision_adam import stochastic_round_to_bf16
+
+    ulp = 2.0**-7  # bf16's spacing in [1, 2)
+    x = jnp.full((4096,), 1.0 + 0.3 * ulp, jnp.float32)  # nearest rounding always gives 1.0
+    assert float(x.astype(jnp.bfloat16)[0]) == 1.0
+    draws = jnp.stack([stochastic_round_to_bf16(x, jnp.uint32(s)) for s in range(8)]).astype(jnp.float32)
+    assert set(np.unique(np.asarray(draws)).tolist()) == {1.0, 1.0 + ulp}  # only the two neighbours
+    assert float(draws.mean()) == pytest.approx(1.0 + 0.3 * ulp, abs=0.02 * ulp)  # unbiased (32k draws)
+    exact = jnp.asarray([0.0, 1.0, 1.5, 2.0**-70 * 1.25, 2.0**100], jnp.float32)  # bf16 values stay as they are
+    np.testing.assert_array_equal(np.asarray(stochastic_round_to_bf16(exact, jnp.uint32(7)), np.float32), exact)
+    top = jnp.full((64,), float(jnp.nextafter(jnp.float32(2.0), jnp.float32(0.0))), jnp.float32)  # carry to 2.0
+    assert set(np.unique(np.asarray(stochastic_round_to_bf16(top, jnp.uint32(1)), np.float32)).tolist()) <= {2.0 - ulp / 2, 2.0}
+    a, b = (stochastic_round_to_bf16(x, jnp.uint32(3)) for _ in range(2))
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))  # a seed gives the same bits
+    with pytest.raises(ValueError, match="expects float32"):
+        stochastic_round_to_bf16(x.astype(jnp.bfloat16), jnp.uint32(0))
+
+
+def test_stochastic_nu_tracks_float32_where_nearest_runs_low():
+    """A large gradient, then small ones: near its new level each step moves nu by less than half a bf16 ulp, so
+    round-to-nearest leaves it where it is (stuck off the float32 moment); stochastic rounding follows on average."""
+    params = {"w": jnp.zeros((64, 64))}
+    grads = [{"w": jnp.full((64, 64), 10.0)}] + [{"w": jnp.full((64, 64), 1.2)}] * 150
+    final = {}
+    for name, kwargs in {"float32": {}, "nearest": dict(adam_nu_dtype="bfloat16"),
+                         "stochastic": dict(adam_nu_dtype="bfloat16", adam_nu_rounding="stochastic")}.items():
+        _, states = _updates(TrainConfig(**{**HAND, "steps": 200}, adam_b2=0.99, **kwargs), params, grads)
+        final[name] = np.asarray(_adam_state(states[-1]).nu["w"], np.float32)
+    ref = float(final["float32"].mean())
+    assert abs(final["nearest"].mean() - ref) > 0.05 * ref, (final["nearest"].mean(), ref)  # stuck
+    assert final["stochastic"].mean() == pytest.approx(ref, rel=0.01)  # unbiased
+    assert final["stochastic"].std() > 0  # each element rounded on its own
+
+
+def test_stochastic_rounding_validation_and_b2():
+    with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_rounding: got 'up'; expected one of"):
+        TrainConfig(adam_nu_dtype="bfloat16", adam_nu_rounding="up")
+    with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_rounding: 'stochastic' rounds a bfloat16 nu"):
+        TrainConfig(adam_nu_rounding="stochastic")
+    tc = TrainConfig(adam_nu_dtype="bfloat16", adam_nu_rounding="stochastic", adam_b2=0.999)  # it does not freeze
+    assert TrainConfig.from_dict(tc.to_dict()) == tc
+    with pytest.raises(ValueError, match="stochastic rounding stores a bfloat16 nu"):
+        with_adam_nu_dtype(optax.adam(1e-3), "float32", "stochastic")
+    params = {"w": jnp.zeros((4, 8))}
+    tx = make_optimizer(tc)
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.full((4, 8), 100.0)}, state, params)
+    before = float(np.asarray(_adam_state(state).nu["w"], np.float32).mean())
+    for _ in range(20):
+        _, state = tx.update({"w": jnp.zeros((4, 8))}, state, params)
+    after = float(np.asarray(_adam_state(state).nu["w"], np.float32).mean())
+    assert after == pytest.approx(before * 0.999**20, rel=2e-3)  # decays at b2's rate on average

@@ -13,6 +13,7 @@ _POSITIVE_INTS = ("per_device_batch", "steps", "log_every", "keep_checkpoints", 
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "skip_steps_for_tgs", "seed")
 ADAM_MU_DTYPES = (None, "bfloat16", "float32")
 ADAM_NU_DTYPES = (None, "bfloat16", "float32")
+NU_ROUNDINGS = ("nearest", "stochastic")
 # bfloat16 keeps 8 significant bits: for adam_b2 above 1 - 2**-8 the decay b2 * nu can round back to nu.
 BF16_NU_MAX_B2 = 1 - 2**-8
 
@@ -65,6 +66,9 @@ class TrainConfig:
     # None: the parameters' dtype. "bfloat16" with a bf16 mu is DeepSeek-V3's recipe (both moments in BF16) and
     # needs adam_b2 <= 1 - 2**-8 (BF16_NU_MAX_B2), else nu cannot decay.
     adam_nu_dtype: str | None = None
+    # How a bf16 nu is stored: "nearest" (as DeepSeek-V3 describes; it cost +0.074 nats at 300 steps here, NOTES) or
+    # "stochastic" (unbiased: turbo_moe.train.low_precision_adam), which also lifts the adam_b2 limit.
+    adam_nu_rounding: str = "nearest"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     remat_policy: str | None = None  # overrides the model's remat_policy when set
     eval_every: int = 25  # 0: only at the end
@@ -173,9 +177,15 @@ def _validate(c: TrainConfig) -> None:
              "adam_mu_dtype", f"got {c.adam_mu_dtype!r}; expected one of {ADAM_MU_DTYPES}")
     _require(c.adam_nu_dtype is None or (isinstance(c.adam_nu_dtype, str) and c.adam_nu_dtype in ADAM_NU_DTYPES),
              "adam_nu_dtype", f"got {c.adam_nu_dtype!r}; expected one of {ADAM_NU_DTYPES}")
-    _require(c.adam_nu_dtype != "bfloat16" or c.adam_b2 <= BF16_NU_MAX_B2, "adam_nu_dtype",
+    _require(c.adam_nu_rounding in NU_ROUNDINGS, "adam_nu_rounding",
+             f"got {c.adam_nu_rounding!r}; expected one of {NU_ROUNDINGS}")
+    _require(c.adam_nu_rounding == "nearest" or c.adam_nu_dtype == "bfloat16", "adam_nu_rounding",
+             f"{c.adam_nu_rounding!r} rounds a bfloat16 nu; adam_nu_dtype is {c.adam_nu_dtype!r}")
+    _require(c.adam_nu_dtype != "bfloat16" or c.adam_nu_rounding == "stochastic" or c.adam_b2 <= BF16_NU_MAX_B2,
+             "adam_nu_dtype",
              f"'bfloat16' needs adam_b2 <= 1 - 2**-8 (~{BF16_NU_MAX_B2:.4f}), got adam_b2={c.adam_b2!r}: bfloat16 "
-             f"keeps 8 significant bits, so b2 * nu can round back to nu and the second moment stops shrinking")
+             f"keeps 8 significant bits, so b2 * nu can round back to nu and the second moment stops shrinking "
+             f"(adam_nu_rounding='stochastic' does not)")
     _require(_is_number(c.val_fraction) and 0 < c.val_fraction < 1, "val_fraction",
              f"must be in (0, 1), got {c.val_fraction!r}")
     _require(isinstance(c.dataset, str) and c.dataset != "", "dataset",

@@ -24,6 +24,7 @@ from turbo_moe.model.router import bias_rate_at
 from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train state's layout, re-exported)
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.init_program import InitProgram
+from turbo_moe.train.low_precision_adam import with_adam_nu_dtype
 from turbo_moe.train.scan_outputs import LoweredWithUninitializedScans
 
 # Mesh axes: ("data", "expert"). Tokens are split over every device; the training states are sharded
@@ -116,46 +117,18 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW (+ global-norm clipping). The same object for the same hyper-parameters, so that
     `build_program`'s cache (keyed on it) hits across runs."""
     return _optimizer(tc.learning_rate, tc.warmup_steps, tc.schedule_steps, tc.min_lr_ratio, tc.weight_decay,
-                      tc.adam_b1, tc.adam_b2, tc.grad_clip, tc.adam_mu_dtype, tc.adam_nu_dtype)
-
-
-def _cast_adam_nu(state, dtype):
-    """`state` (any optax state tree) with the second moment (`nu`) of every ScaleByAdamState in it cast to `dtype`."""
-    def cast(node):
-        if isinstance(node, optax.ScaleByAdamState):
-            return node._replace(nu=jax.tree.map(lambda v: v.astype(dtype), node.nu))
-        return node
-
-    # Found by type, not position: adamw's state nests it in chain / masked states.
-    return jax.tree.map(cast, state, is_leaf=lambda node: isinstance(node, optax.ScaleByAdamState))
-
-
-def with_adam_nu_dtype(inner: optax.GradientTransformation, nu_dtype) -> optax.GradientTransformationExtraArgs:
-    """`inner` (optax's own Adam/AdamW, unchanged math) with its second moment stored in `nu_dtype`
-    (optax has mu_dtype but no nu_dtype). The state has the same tree as `inner`'s: only nu's dtype differs."""
-    dtype = jnp.dtype(nu_dtype)
-
-    def init(params):
-        return _cast_adam_nu(inner.init(params), dtype)
-
-    def update(updates, state, params=None, **extra_args):
-        # optax's own update on a float32 copy of the stored nu: the new moment and this step's update are
-        # computed unrounded, only the nu kept for the next step is rounded (optax returns nu in the old one's dtype).
-        updates, state = inner.update(updates, _cast_adam_nu(state, jnp.float32), params, **extra_args)
-        return updates, _cast_adam_nu(state, dtype)
-
-    return optax.GradientTransformationExtraArgs(init, update)
+                      tc.adam_b1, tc.adam_b2, tc.grad_clip, tc.adam_mu_dtype, tc.adam_nu_dtype, tc.adam_nu_rounding)
 
 
 @functools.lru_cache(maxsize=8)
 def _optimizer(peak, warmup_steps, total_steps, min_lr_ratio, weight_decay, b1, b2, grad_clip, mu_dtype=None,
-               nu_dtype=None):
+               nu_dtype=None, nu_rounding="nearest"):
     # mu_dtype / nu_dtype only change how the moments are stored: optax computes the update from the unrounded ones.
     adamw = optax.adamw(_schedule(peak, warmup_steps, total_steps, min_lr_ratio), b1=b1, b2=b2, eps=1e-8,
                         mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype),
                         weight_decay=weight_decay, mask=_decay_mask)
     if nu_dtype is not None:
-        adamw = with_adam_nu_dtype(adamw, nu_dtype)
+        adamw = with_adam_nu_dtype(adamw, nu_dtype, nu_rounding)
     if grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
     return adamw
