@@ -114,7 +114,7 @@ def _batch(cfg, b=2, s=16):
 @pytest.mark.parametrize("dtype, tie, rel, logits_dtype", [
     ("float32", False, 2e-5, "float32"), ("float32", True, 2e-5, "float32"),
     ("bfloat16", False, 4e-2, "float32"),  # bf16 dL/dlogits in the head's backward (module doc): bf16 rounding
-    ("bfloat16", True, 4e-2, "bfloat16"),  # both paths round the logits to bf16
+    ("bfloat16", True, 4e-2, "bfloat16"), ("bfloat16", False, 4e-2, "bfloat16"),  # both paths round the logits
 ])
 def test_model_loss_and_grads_match_unchunked(dtype, tie, rel, logits_dtype):
     # main head + one MTP head; 2 x 16 tokens in chunks of 5 positions (10 tokens): 4 chunks, the last padded
