@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(1024) penalized_cluster_kernel(const float* __
     if (start > 0) {
       const int* done = part + (parity ^ 1) * s.E;  // every block's picks in the previous chunk
       for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
-        int got[kMaxCluster];  // all remote reads in flight before the first add (a loop waited for each)
+        int got[kMaxCluster];  // the remote reads issued before the first add (timed no faster than a loop: call 82)
 #pragma unroll
         for (unsigned r = 0; r < kMaxCluster; ++r) got[r] = r < C ? cluster.map_shared_rank(done, r)[e] : 0;
         int sum = 0;
