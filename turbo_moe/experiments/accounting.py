@@ -27,6 +27,7 @@ import pandas as pd
 
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
 from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS, expert_capacity
+from turbo_moe.train.config import ADAM_MU_DTYPES
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -115,7 +116,7 @@ def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str
     """AdamW training states per device: params + grads (in param_dtype) + the first and second moments
     (``adam_mu_dtype`` / ``adam_nu_dtype``, as the TrainConfig fields; None: param_dtype, as optax keeps them)."""
     for name, dtype in (("adam_mu_dtype", adam_mu_dtype), ("adam_nu_dtype", adam_nu_dtype)):
-        if dtype not in (None, "bfloat16", "float32"):
+        if dtype not in ADAM_MU_DTYPES:  # the TrainConfig fields' values (the same for both moments)
             raise ValueError(f"{name} must be None, 'bfloat16' or 'float32', got {dtype!r}")
     per_param = (2 * _BYTES[cfg.param_dtype] + _BYTES[adam_mu_dtype or cfg.param_dtype]
                  + _BYTES[adam_nu_dtype or cfg.param_dtype])

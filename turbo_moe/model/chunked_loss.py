@@ -22,6 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from turbo_moe.model.config import LOGITS_DTYPES
+
 
 def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, targets: jax.Array, mask: jax.Array,
                           chunk_tokens: int, vocab_major: bool = False, bias: jax.Array | None = None,
@@ -49,7 +51,7 @@ def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, targets: jax.Arr
     vocab = weight.shape[vocab_axis]
     if bias is not None and (bias.shape != (vocab,) or bias.dtype != jnp.float32):
         raise ValueError(f"bias must be float32 ({vocab},) (the head's vocabulary), got {bias.dtype}{tuple(bias.shape)}")
-    if logits_dtype not in ("float32", "bfloat16"):
+    if logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be 'float32' or 'bfloat16', got {logits_dtype!r}")
     static = (chunk_tokens, bool(vocab_major), jnp.dtype(hidden.dtype).name, jnp.dtype(weight.dtype).name,
               logits_dtype)

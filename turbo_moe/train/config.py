@@ -12,7 +12,7 @@ from turbo_moe.model import ModelConfig, get_config
 _POSITIVE_INTS = ("per_device_batch", "steps", "log_every", "keep_checkpoints", "expert_parallel")
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "skip_steps_for_tgs", "seed")
 ADAM_MU_DTYPES = (None, "bfloat16", "float32")
-ADAM_NU_DTYPES = (None, "bfloat16", "float32")
+ADAM_NU_DTYPES = ADAM_MU_DTYPES  # the moments' storage dtypes: None is the parameters' dtype
 NU_ROUNDINGS = ("nearest", "stochastic")
 # bfloat16 keeps 8 significant bits: for adam_b2 above 1 - 2**-8 the decay b2 * nu can round back to nu.
 BF16_NU_MAX_B2 = 1 - 2**-8
