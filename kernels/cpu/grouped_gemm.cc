@@ -5,7 +5,8 @@
 // work is split into (group, row block, column block) tiles run on XLA's intra-op thread pool; the
 // compute of one tile is in gemm_kernels.cc, compiled per ISA and picked at run time (dispatch.cc).
 // Each output element is produced by one tile with a fixed summation order: deterministic.
-#include "common.h"
+#include "grouped_gemm.h"
+
 #include "gemm_kernels.h"
 
 namespace turbo_moe {
@@ -19,14 +20,14 @@ const GemmScratch& thread_scratch(const GemmKernels& k) {
   return s;
 }
 
-ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/,
-                           bool transpose_rhs) {
+}  // namespace
+
+ffi::Error run_grouped_gemm(ffi::ThreadPool* pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, bool transpose_rhs) {
   Dtype in_dt, out_dt;
   if (!to_dtype(lhs.element_type(), &in_dt) || rhs.element_type() != lhs.element_type())
     return invalid("grouped_gemm: lhs and rhs must share one dtype of float32/bfloat16/float16");
-  if (!to_dtype(out->element_type(), &out_dt))
+  if (!to_dtype(out.element_type(), &out_dt))
     return invalid("grouped_gemm: output dtype must be float32/bfloat16/float16");
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
   if (ld.size() < 2 || rd.size() != ld.size() + 1 || gd.size() != ld.size() - 1)
@@ -43,7 +44,7 @@ ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuf
 
   const char* lhs_p = static_cast<const char*>(lhs.untyped_data());
   const char* rhs_p = static_cast<const char*>(rhs.untyped_data());
-  char* out_p = static_cast<char*>(out->untyped_data());
+  char* out_p = static_cast<char*>(out.untyped_data());
   const int32_t* gs_p = group_sizes.typed_data();
   const int64_t out_w = byte_width(out_dt);
 
@@ -59,13 +60,22 @@ ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuf
   }
   const int64_t n_blocks = (N + kern.nc - 1) / kern.nc;
   const GemmFwdArgs args{in_dt, out_dt, lhs_p, rhs_p, out_p, M, K, N, G, transpose_rhs, tiles.data(), n_blocks};
-  parallel_for(&pool, static_cast<int64_t>(tiles.size()) * n_blocks, [&](int64_t item) {
+  parallel_for(pool, static_cast<int64_t>(tiles.size()) * n_blocks, [&](int64_t item) {
     kern.fwd_item(args, item, thread_scratch(kern));
   });
   // Rows that belong to no group are defined as zero (never left uninitialised).
   for (int64_t b = 0; b < batch; ++b)
     std::memset(out_p + (b * M + totals[b]) * N * out_w, 0, (M - totals[b]) * N * out_w);
   return ffi::Error::Success();
+}
+
+namespace {
+
+ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/,
+                           bool transpose_rhs) {
+  return run_grouped_gemm(&pool, lhs, rhs, group_sizes, *out, transpose_rhs);
 }
 
 ffi::Error GroupedGemmWeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,

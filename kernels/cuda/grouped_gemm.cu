@@ -38,17 +38,17 @@ size_t workspace_bytes(int64_t batch, int64_t groups, size_t sm90_bytes) {
   return 2 * table_bytes(batch, groups) + sm90_bytes + 256;
 }
 
-ffi::Error carve_workspace(ffi::Result<ffi::AnyBuffer>& workspace,
+ffi::Error carve_workspace(ffi::AnyBuffer workspace,
                            const GroupedGemmArgs& a, bool fast, bool weight_grad, int device, const char* what,
                            CallWorkspace* w) {
   const size_t sm90_bytes = fast ? sm90_scratch_bytes(a, weight_grad, device) : 0;
   const size_t need = workspace_bytes(a.batch, a.G, sm90_bytes);
-  if (workspace->size_bytes() < need)
-    return invalid(std::string(what) + ": workspace of " + std::to_string(workspace->size_bytes()) +
+  if (workspace.size_bytes() < need)
+    return invalid(std::string(what) + ": workspace of " + std::to_string(workspace.size_bytes()) +
                    " bytes, this call needs " + std::to_string(need) +
                    " (turbo_moe/ops/grouped_gemm.py sizes it with turbo_moe_grouped_gemm_workspace_bytes)");
   // 256-byte alignment for the TMA descriptors and 16-byte vectors in the sm90 arrays.
-  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace.untyped_data());
   char* base = reinterpret_cast<char*>((raw + 255) & ~uintptr_t(255));
   const size_t table = table_bytes(a.batch, a.G);
   w->offsets = reinterpret_cast<int32_t*>(base);
@@ -58,12 +58,15 @@ ffi::Error carve_workspace(ffi::Result<ffi::AnyBuffer>& workspace,
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> workspace, bool transpose_rhs) {
+}  // namespace
+
+ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, ffi::AnyBuffer workspace,
+                            bool transpose_rhs, const int32_t** offsets) {
+  if (offsets) *offsets = nullptr;
   if (!is_float_type(lhs.element_type()) || rhs.element_type() != lhs.element_type())
     return invalid("grouped_gemm: lhs and rhs must share one dtype of float32/bfloat16/float16");
-  if (!is_float_type(out->element_type()))
+  if (!is_float_type(out.element_type()))
     return invalid("grouped_gemm: output dtype must be float32/bfloat16/float16");
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
   if (ld.size() < 2 || rd.size() != ld.size() + 1 || gd.size() != ld.size() - 1)
@@ -83,10 +86,10 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuff
   if (a.M >= (int64_t{1} << 31)) return invalid("grouped_gemm: M must be < 2^31");
   a.lhs = lhs.untyped_data();
   a.rhs = rhs.untyped_data();
-  a.out = out->untyped_data();
+  a.out = out.untyped_data();
   a.transpose_rhs = transpose_rhs;
   a.in_type = lhs.element_type();
-  a.out_type = out->element_type();
+  a.out_type = out.element_type();
   if (a.batch == 0 || a.M == 0 || a.N == 0) return ffi::Error::Success();
 
   int device = 0;
@@ -94,6 +97,7 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuff
   const bool fast = use_sm90(a, device);
   CallWorkspace s;
   if (auto err = carve_workspace(workspace, a, fast, false, device, "grouped_gemm", &s); err.failure()) return err;
+  if (offsets) *offsets = s.offsets;
   a.offsets = s.offsets;
   a.tile_prefix = s.tile_prefix;
   launch_group_offsets(group_sizes.typed_data(), a.batch, a.G, a.M, s.offsets, fast ? nullptr : s.tile_prefix,
@@ -104,6 +108,14 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuff
   // Rows that belong to no group are defined as zero (never left uninitialised).
   launch_zero_tail_rows(a.out, a.batch, a.M, a.N * byte_width(a.out_type), s.offsets + a.G, a.G + 1, stream);
   return last_cuda_error("grouped_gemm");
+}
+
+namespace {
+
+ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> workspace, bool transpose_rhs) {
+  return run_grouped_gemm(stream, lhs, rhs, group_sizes, *out, *workspace, transpose_rhs, nullptr);
 }
 
 ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
@@ -139,7 +151,7 @@ ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ff
   cudaGetDevice(&device);
   const bool fast = use_sm90(a, device);
   CallWorkspace s;
-  if (auto err = carve_workspace(workspace, a, fast, true, device, "grouped_gemm_weight_grad", &s); err.failure())
+  if (auto err = carve_workspace(*workspace, a, fast, true, device, "grouped_gemm_weight_grad", &s); err.failure())
     return err;
   a.offsets = s.offsets;
   a.tile_prefix = s.tile_prefix;

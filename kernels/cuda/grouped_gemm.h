@@ -35,4 +35,11 @@ ffi::Error launch_grouped_gemm_sm90(const GroupedGemmArgs& a, void* scratch, siz
 ffi::Error launch_weight_grad_sm90(const GroupedGemmArgs& a, void* scratch, size_t scratch_bytes,
                                    int device, cudaStream_t stream);
 
+// The forward handler's whole call (grouped_gemm.cu): checks, group offsets into `workspace`, the GEMM, zero
+// tail rows. `offsets` (may be null) gets the device offsets table [batch, G + 1] inside the workspace, or
+// null when there was nothing to compute.
+ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, ffi::AnyBuffer workspace,
+                            bool transpose_rhs, const int32_t** offsets);
+
 }  // namespace turbo_moe

@@ -33,6 +33,11 @@ def main():
         e2 = np.abs(f32(dgrad) - ref.grouped_gemm(f32(d_out), f32(rhs), sizes, transpose_rhs=True)).max()
         e3 = np.abs(f32(wgrad) - ref.weight_grad(f32(lhs), f32(d_out), sizes)).max()
         print(f"grouped_gemm {jnp.dtype(dtype).name} N={N}: fwd {e1:.3g} dgrad {e2:.3g} wgrad {e3:.3g}", flush=True)
+        h, act = ops.grouped_gemm_swiglu(lhs, rhs, gs)  # N = 72: F = 36, the scalar SwiGLU; N = 512 the vectors
+        g, u = f32(h)[:, :N // 2], f32(h)[:, N // 2:]
+        e4 = np.abs(f32(act) - g / (1 + np.exp(-g)) * u).max()
+        print(f"grouped_gemm_swiglu {jnp.dtype(dtype).name} N={N}: h {np.abs(f32(h) - f32(out)).max():.3g} "
+              f"act {e4:.3g}", flush=True)
 
     T, H, k, E = 200, 40, 3, 8
     ids = rng.integers(0, E - 3, size=(T, k)).astype(np.int32)  # experts 5..7 stay empty

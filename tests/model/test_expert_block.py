@@ -1,7 +1,8 @@
 """ModelConfig.expert_backward = "block" (`turbo_moe.model.expert_block`): one custom VJP over permute -> experts ->
 unpermute. Its outputs and gradients equal the float32 reference and the ops' own VJPs (dropped copies, experts with
-no rows, token counts that are not multiples of 8, skewed routing), and it keeps neither the permuted rows nor the
-down GEMM's output for the backward pass, without running any grouped GEMM twice."""
+no rows, token counts that are not multiples of 8, skewed routing), with the gate/up GEMM and SwiGLU as one call
+(`swiglu_impl="kernel"`) or two, and it keeps neither the permuted rows nor the down GEMM's output for the backward
+pass, without running any grouped GEMM twice."""
 
 import re
 
@@ -16,22 +17,22 @@ from tests.model.path_cases import fake_pallas  # noqa: F401  (a fixture)
 from tests.model.test_moe_paths import (TOLERANCE, make_case, path_loss_and_grads, reference_experts,
                                         reference_loss_and_grads)
 from turbo_moe.model import DeepSeekModel, ExpertWeights, get_config, lm_loss, moe_path_fn
-from turbo_moe.model.gemms import GEMMS
+from turbo_moe.model.gemms import GATE_UP_SWIGLU, GEMMS
 from turbo_moe.model.paths import ExpertFfn
 
 pytestmark = requires_turbo
 
 
-@pytest.mark.parametrize("expert_backward", ["block", "autodiff"])
+@pytest.mark.parametrize("expert_backward,swiglu_impl", [("block", "kernel"), ("block", "xla"), ("autodiff", "xla")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("path", ["turbo", "pallas"])
-def test_block_matches_reference_outputs_and_grads(path, dtype, expert_backward, request):
+def test_block_matches_reference_outputs_and_grads(path, dtype, expert_backward, swiglu_impl, request):
     if path == "pallas":
         if dtype == jnp.float32:
             pytest.skip("the Pallas Mosaic-GPU GEMM computes in bfloat16/float16")
         request.getfixturevalue("fake_pallas")
     x, routing, weights, cotangent = make_case()
-    fn = moe_path_fn(path, float(weights.n_experts), expert_backward=expert_backward)
+    fn = moe_path_fn(path, float(weights.n_experts), expert_backward=expert_backward, swiglu_impl=swiglu_impl)
     y, _ = jax.jit(fn)(x.astype(dtype), routing, weights)
     np.testing.assert_allclose(np.asarray(y, np.float32), reference_experts(x.astype(dtype), routing, weights),
                                **TOLERANCE[dtype])
@@ -41,17 +42,18 @@ def test_block_matches_reference_outputs_and_grads(path, dtype, expert_backward,
         np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, **TOLERANCE[dtype])
 
 
-def _exchange(block: bool):
+def _exchange(block: bool, fused: bool = False):
     from turbo_moe.model.exchanges import permute_exchange
 
     def run(tokens, ids, combine_w, w_gu, w_down):
-        ffn = ExpertFfn(ExpertWeights(w_gu, w_down), GEMMS["turbo"], block)
+        ffn = ExpertFfn(ExpertWeights(w_gu, w_down), GEMMS["turbo"], block, GATE_UP_SWIGLU["turbo"] if fused else None)
         return permute_exchange(tokens, ids, combine_w, w_gu.shape[0], ffn)
     return run
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["swiglu_xla", "swiglu_kernel"])
 @pytest.mark.parametrize("routing", ["random", "skewed", "dropped"])
-def test_block_equals_the_ops_own_vjps(routing):
+def test_block_equals_the_ops_own_vjps(routing, fused):
     t, k, d, f, e = 13, 3, 24, 12, 6  # T*k = 39 rows: no multiple of 8
     keys = jax.random.split(jax.random.key(7), 6)
     tokens = jax.random.normal(keys[0], (t, d))
@@ -70,11 +72,11 @@ def test_block_equals_the_ops_own_vjps(routing):
 
     args = (tokens, ids, combine_w, w_gu, w_down)
     argnums = (0, 2, 3, 4)
-    (y_ref, n_ref), (y, n) = (jax.jit(_exchange(b))(*args) for b in (False, True))
+    (y_ref, n_ref), (y, n) = (jax.jit(_exchange(b, b and fused))(*args) for b in (False, True))
     np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
     assert int(n) == int(n_ref)
     want = jax.jit(jax.grad(loss(_exchange(False)), argnums))(*args)
-    got = jax.jit(jax.grad(loss(_exchange(True)), argnums))(*args)
+    got = jax.jit(jax.grad(loss(_exchange(True, fused)), argnums))(*args)
     for name, g, w in zip(("tokens", "combine_w", "w_gate_up", "w_down"), got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -92,17 +94,22 @@ def _step(cfg):
     return compiled(state), compiled
 
 
-def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes():
+@pytest.mark.parametrize("swiglu_impl", ["kernel", "xla"])
+def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes(swiglu_impl):
     # 4 scanned MoE layers (+ the MTP block): their saved values, stacked over the layers, set the peak
     base = dict(n_layers=5, max_seq_len=16, moe_path="turbo", remat_policy="dots_experts_attention", dtype="float32")
     (ref_loss, ref_grads), ref_compiled = _step(get_config("tiny", **base, expert_backward="autodiff"))
-    (loss, grads), compiled = _step(get_config("tiny", **base, expert_backward="block"))
+    (loss, grads), compiled = _step(get_config("tiny", **base, expert_backward="block", swiglu_impl=swiglu_impl))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
-    gemm_calls = lambda c: len(re.findall(r'custom_call_target="turbo_moe_grouped_gemm"', c.as_text()))
+    calls = lambda c, target: len(re.findall(f'custom_call_target="{target}"', c.as_text()))
+    gemm_calls = lambda c: calls(c, "turbo_moe_grouped_gemm") + calls(c, "turbo_moe_grouped_gemm_swiglu")
     # the scanned MoE block and the MTP block, each 2 forward + 2 data-gradient GEMMs in the program text
     assert gemm_calls(compiled) == gemm_calls(ref_compiled) == 8
+    # with the kernel, each block's gate/up GEMM is the fused call (the autodiff path never uses it)
+    assert calls(compiled, "turbo_moe_grouped_gemm_swiglu") == (2 if swiglu_impl == "kernel" else 0)
+    assert calls(ref_compiled, "turbo_moe_grouped_gemm_swiglu") == 0
     # the autodiff step keeps the permuted rows, the down output and act of every MoE layer; the block none of them
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
     assert temp(compiled) < 0.85 * temp(ref_compiled), (temp(compiled), temp(ref_compiled))
@@ -111,6 +118,8 @@ def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes():
 def test_bad_expert_backward_and_shapes():
     with pytest.raises(ValueError, match="expert_backward.*'fused'.*expected one of"):
         get_config("tiny", expert_backward="fused")
+    with pytest.raises(ValueError, match="swiglu_impl.*'cutlass'.*expected one of"):
+        get_config("tiny", swiglu_impl="cutlass")
     from turbo_moe.model.expert_block import expert_block
 
     weights = ExpertWeights(jnp.zeros((4, 8, 6)), jnp.zeros((4, 3, 8)))

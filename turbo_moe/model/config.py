@@ -21,6 +21,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_unpadded")  # turbo_moe/model/
 ROUTER_TOPK_IMPLS = ("xla", "kernel")
 EMBEDDING_GRADS = ("scatter", "matmul", "segment")  # turbo_moe/model/embedding.py
 EXPERT_BACKWARDS = ("autodiff", "block")  # turbo_moe/model/expert_block.py
+SWIGLU_IMPLS = ("kernel", "xla")  # turbo_moe/ops/grouped_gemm_swiglu.py
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
 LOGITS_DTYPES = ("float32", "bfloat16")
@@ -179,6 +180,11 @@ class ModelConfig:
     # nor the down GEMM's output for the backward pass) or "autodiff" (each op's own VJP). `reduced` b8 x 2048 on an
     # H200: -2.2 to -3.2 ms a step, -6.9 GiB compiled memory; gradients as exact (experiments/NOTES.md, calls 72-76).
     expert_backward: str = "block"
+    # The expert block's gate/up GEMM and SwiGLU (the turbo GEMM with expert_backward "block"): "kernel"
+    # (turbo_moe.ops.grouped_gemm_swiglu: one FFI call returns h and act, so h's only reader is the layer scan's
+    # residual stack, which XLA then writes in place instead of copying h there) or "xla" (the GEMM, then SwiGLU as
+    # an XLA fusion). Other GEMMs and the autodiff backward always take "xla".
+    swiglu_impl: str = "kernel"
 
     def __post_init__(self):
         _validate(self)
@@ -338,6 +344,7 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.embedding_grad!r}; expected one of {EMBEDDING_GRADS}")
     _require(c.expert_backward in EXPERT_BACKWARDS, "expert_backward",
              f"got {c.expert_backward!r}; expected one of {EXPERT_BACKWARDS}")
+    _require(c.swiglu_impl in SWIGLU_IMPLS, "swiglu_impl", f"got {c.swiglu_impl!r}; expected one of {SWIGLU_IMPLS}")
     _require(c.router_topk_impl in ROUTER_TOPK_IMPLS, "router_topk_impl",
              f"got {c.router_topk_impl!r}; expected one of {ROUTER_TOPK_IMPLS}")
     _require(c.head_bias in HEAD_BIASES, "head_bias", f"got {c.head_bias!r}; expected one of {HEAD_BIASES}")

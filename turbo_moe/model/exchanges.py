@@ -50,7 +50,8 @@ def permute_exchange(tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
     if getattr(ffn, "block", False):  # paths.ExpertFfn with ModelConfig.expert_backward == "block"
         from turbo_moe.model.expert_block import expert_block
 
-        y, group_sizes = expert_block(tokens, expert_ids, combine_w, ffn.weights, n_experts, ffn.gemm)
+        y, group_sizes = expert_block(tokens, expert_ids, combine_w, ffn.weights, n_experts, ffn.gemm,
+                                      ffn.gate_up_swiglu)
         return y, group_sizes.sum()
     with jax.named_scope("permute"):
         rows, group_sizes, handle = ops.permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,)

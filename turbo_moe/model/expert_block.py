@@ -14,7 +14,9 @@ the remat policies, as `experts.expert_ffn` names them), the tokens and the comb
 computed again where the backward needs it (an elementwise pass over h instead of a saved copy).
 
 The grouped GEMM is any differentiable `GroupedGemm` (the turbo FFI kernel, the Pallas one); the permute and
-unpermute are the turbo_moe.ops FFI calls. Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g)
+unpermute are the turbo_moe.ops FFI calls. With `gate_up_swiglu` (`ops.grouped_gemm_swiglu` for the turbo GEMM)
+the forward gets h and act from one call: h's only reader is then the layer scan's residual stack, which XLA writes
+in place (with SwiGLU as an XLA fusion reading h too, it copied h there: 201 MB a layer at `reduced`). Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g)
 rounded, then @ W^T); d_w sums act * G in float32 (the pieces: y * g). Both bf16-close, not bit-equal.
 """
 
@@ -24,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, ExpertWeights, GroupedGemm, saved, swiglu_fused
 from turbo_moe.ops import _checks
@@ -33,9 +36,11 @@ from turbo_moe.ops.unpermute import unpermute_call
 
 
 def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array, weights: ExpertWeights,
-                 n_experts: int, gemm: GroupedGemm) -> tuple[jax.Array, jax.Array]:
+                 n_experts: int, gemm: GroupedGemm, gate_up_swiglu=None) -> tuple[jax.Array, jax.Array]:
     """tokens (T, D), expert_ids (T, k) (ids outside [0, E) drop the copy), combine_w (T, k) float32 ->
-    (y (T, D) = sum_j combine_w[t, j] * expert_{ids[t, j]}(tokens[t]), group_sizes (E,) int32)."""
+    (y (T, D) = sum_j combine_w[t, j] * expert_{ids[t, j]}(tokens[t]), group_sizes (E,) int32).
+
+    gate_up_swiglu: None, or `(rows, w_gate_up, group_sizes) -> (h, SwiGLU(h))` in one call (forward only)."""
     _checks.check_rank("tokens", tokens, 2, "(T, D)")
     _checks.float_dtype("tokens", tokens.dtype)
     _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
@@ -45,17 +50,25 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
                          f"got {expert_ids.shape} and {combine_w.shape}")
     n_experts = _checks.static_int("n_experts", n_experts)
     ids = _checks.index_as_int32(expert_ids, n_experts)
-    return _block(tokens, ids, combine_w.astype(jnp.float32), weights.w_gate_up, weights.w_down, n_experts, gemm)
+    return _block(tokens, ids, combine_w.astype(jnp.float32), weights.w_gate_up, weights.w_down, n_experts, gemm,
+                  gate_up_swiglu)
 
 
-def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
+def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, gate_up_swiglu):
     with jax.named_scope("permute"):
         rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts)[:3]
     group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
-    with jax.named_scope("grouped_gemm"):
-        h = saved(gemm(rows, w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
-    with jax.named_scope("swiglu"):
-        act = swiglu_fused(h)  # (T*k, F)
+    if gate_up_swiglu is not None:
+        with jax.named_scope("grouped_gemm"):
+            h, act = gate_up_swiglu(rows, w_gate_up, group_sizes)  # (T*k, 2F), (T*k, F)
+        # Named without `saved`'s barrier: h's one reader is its write into the scan's residual stack, which XLA's
+        # dynamic-slice fusion then does in place, from inside the FFI call (no clone: act is the call's own output).
+        h = checkpoint_name(h, EXPERT_SAVE_NAMES[1])
+    else:
+        with jax.named_scope("grouped_gemm"):
+            h = saved(gemm(rows, w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
+        with jax.named_scope("swiglu"):
+            act = swiglu_fused(h)  # (T*k, F)
     with jax.named_scope("grouped_gemm"):
         y_rows = gemm(act, w_down, group_sizes)  # (T*k, D): not kept for the backward
     with jax.named_scope("unpermute"):
@@ -63,18 +76,20 @@ def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
     return y, group_sizes, (h, saved(row_index, ROW_INDEX_NAME))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _block(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
-    y, group_sizes, _ = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _block(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, gate_up_swiglu):
+    y, group_sizes, _ = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, gate_up_swiglu)
     return y, group_sizes
 
 
-def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm):
-    y, group_sizes, (h, row_index) = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm)
+def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, gate_up_swiglu):
+    y, group_sizes, (h, row_index) = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm,
+                                              gate_up_swiglu)
     return (y, group_sizes), (tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index)
 
 
-def _block_bwd(n_experts, gemm, residuals, cotangents):
+def _block_bwd(n_experts, gemm, gate_up_swiglu, residuals, cotangents):
+    del gate_up_swiglu  # the backward's SwiGLU passes are XLA fusions over the saved h
     tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
     act = swiglu_fused(h)  # not saved: XLA fuses it into the two passes below that read it
     d_y = cotangents[0]  # (T, D); group_sizes are integers

@@ -74,12 +74,12 @@ def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
 
 def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacity_factor: float = 1.25,
                 ep_exchange: str = "deepep", ep_capacity_factor: float = 0.0, exchange_impl: str | None = None,
-                expert_backward: str = "block"):
+                expert_backward: str = "block", swiglu_impl: str = "kernel"):
     """A MoE path `(x (B, S, D), routing, weights) -> (y, ExpertStats)` running expert-parallel.
 
     mesh: a Mesh with an `expert_axis` (None: the ambient mesh of `jax.set_mesh`). B must divide by
     the number of devices and E by the expert-axis size. exchange_impl: "native" ragged_all_to_all or
-    the "emulated" one (CPU); default by the mesh's platform. expert_backward: `ModelConfig.expert_backward`, for
+    the "emulated" one (CPU); default by the mesh's platform. expert_backward, swiglu_impl: `ModelConfig`'s, for
     each rank's local experts (the permute exchange inside the EP wrappers).
     """
     if path not in MOE_PATHS:
@@ -112,7 +112,8 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
 
         def sharded(x, ids, combine_w, w):
             w_local = _varying_like(w.astype(x.dtype), batch_axes)
-            y, done = run_exchange(exchange, row.gemm, x, ids, combine_w, w_local, n_experts, expert_backward)
+            y, done = run_exchange(exchange, row.gemm, x, ids, combine_w, w_local, n_experts, expert_backward,
+                                   swiglu_impl)
             load = jnp.zeros((n_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)  # (E,) before drops
             load = jax.lax.psum(load, batch_axes)
             total = b * s * k  # every copy of the global batch

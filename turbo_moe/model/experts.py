@@ -56,13 +56,9 @@ def _swiglu_fwd(h):
 
 
 def _swiglu_bwd(h, d_act):
-    f = h.shape[-1] // 2
-    gate, up = h[..., :f].astype(jnp.float32), h[..., f:].astype(jnp.float32)
-    d = d_act.astype(jnp.float32)
-    sig = jax.nn.sigmoid(gate)
-    d_up = d * gate * sig  # d silu(g) u / du = silu(g)
-    d_gate = d * up * sig * (1 + gate * (1 - sig))  # silu'(g) = sig (1 + g (1 - sig))
-    return (jnp.concatenate([d_gate, d_up], axis=-1).astype(h.dtype),)
+    from turbo_moe.ops.grouped_gemm_swiglu import swiglu_grad  # pure JAX; the FFI op's backward shares it
+
+    return (swiglu_grad(h, d_act).astype(h.dtype),)
 
 
 swiglu_fused.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -5,6 +5,8 @@
 - `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None.
 - `pallas`: jax's Pallas Mosaic-GPU `ragged_dot_mgpu` (`turbo_moe.ops.pallas_gemm`; Hopper only).
 
+`GATE_UP_SWIGLU[name]`: the GEMMs that also come as one call returning (h, act = SwiGLU(h)) for the gate/up weights.
+
 `require(name, moe_path)` raises at trace time when the devices cannot run a GEMM.
 """
 
@@ -36,6 +38,14 @@ def pallas_gemm(rows, w, group_sizes):
 
     return pallas_grouped_gemm(rows, w, group_sizes)  # (M, K) x (E, K, N) -> (M, N)
 
+
+def turbo_gate_up_swiglu(rows, w, group_sizes):
+    from turbo_moe import ops
+
+    return ops.grouped_gemm_swiglu(rows, w, group_sizes)  # (M, K) x (E, K, 2F) -> (M, 2F), (M, F)
+
+
+GATE_UP_SWIGLU = {"turbo": turbo_gate_up_swiglu}
 
 GEMMS: dict[str, GroupedGemm] = {
     "ragged_dot": ragged_dot_gemm,

@@ -35,11 +35,12 @@ class MoELayer(nnx.Module):
         # Named scopes label the compiled ops for profiles (benchmarks/step_breakdown.py).
         with jax.named_scope("router"):
             routing = self.router(x)
-        path = moe_path_fn(self.cfg.moe_path, self.cfg.capacity_factor, self.cfg.expert_backward)
+        path = moe_path_fn(self.cfg.moe_path, self.cfg.capacity_factor, self.cfg.expert_backward,
+                           self.cfg.swiglu_impl)
         if expert_axis_size() > 1:  # traced under a mesh with an "expert" axis: routed experts split over it
             path = ep_moe_path(self.cfg.moe_path, capacity_factor=self.cfg.capacity_factor,
                                ep_exchange=self.cfg.ep_exchange, ep_capacity_factor=self.cfg.ep_capacity_factor,
-                               expert_backward=self.cfg.expert_backward)
+                               expert_backward=self.cfg.expert_backward, swiglu_impl=self.cfg.swiglu_impl)
         elif mesh_device_count() > 1:  # data parallel: each device runs its own tokens
             path = data_parallel_moe_path(path)
         with jax.named_scope("routed_experts"):

@@ -23,7 +23,7 @@ from turbo_moe.model import exchanges
 from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
 from turbo_moe.model.exchanges import expert_capacity  # noqa: F401  (re-exported for accounting)
 from turbo_moe.model.experts import ExpertStats, ExpertWeights, expert_ffn, routed_load
-from turbo_moe.model.gemms import GEMMS, require
+from turbo_moe.model.gemms import GATE_UP_SWIGLU, GEMMS, require
 from turbo_moe.model.router import Routing
 
 ONE_DEVICE = "one_device"  # the ep_exchange column of the rows used without expert parallelism
@@ -81,11 +81,12 @@ def build_exchange(row: PathRow, **params) -> exchanges.Exchange:
 
 def run_exchange(exchange: exchanges.Exchange, gemm: str, x: jax.Array, expert_ids: jax.Array,
                  combine_w: jax.Array, weights: ExpertWeights, n_experts: int,
-                 expert_backward: str = "block") -> tuple[jax.Array, jax.Array]:
+                 expert_backward: str = "block", swiglu_impl: str = "kernel") -> tuple[jax.Array, jax.Array]:
     """x (B, S, D), expert_ids / combine_w (B, S, k) -> (y (B, S, D), copies computed () int32)."""
     b, s, d = x.shape
     k = expert_ids.shape[-1]
-    ffn = ExpertFfn(weights, GEMMS[gemm], expert_backward == "block")
+    fused = GATE_UP_SWIGLU.get(gemm) if swiglu_impl == "kernel" else None
+    ffn = ExpertFfn(weights, GEMMS[gemm], expert_backward == "block", fused)
     y, computed = exchange(x.reshape(b * s, d), expert_ids.reshape(b * s, k),
                            combine_w.reshape(b * s, k).astype(jnp.float32), n_experts, ffn)
     return y.reshape(b, s, d), computed
@@ -98,6 +99,7 @@ class ExpertFfn(NamedTuple):
     weights: ExpertWeights
     gemm: Callable
     block: bool = False
+    gate_up_swiglu: Callable | None = None  # the block's gate/up GEMM + SwiGLU as one call (gemms.GATE_UP_SWIGLU)
 
     def __call__(self, rows, group_sizes):
         return expert_ffn(rows, self.weights, group_sizes, self.gemm)
@@ -106,9 +108,10 @@ class ExpertFfn(NamedTuple):
 MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, ExpertStats]"]
 
 
-def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "block") -> MoEPath:
-    """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`; `expert_backward`:
-    `ModelConfig.expert_backward` (paths with the permute exchange)."""
+def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "block",
+                swiglu_impl: str = "kernel") -> MoEPath:
+    """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`; `expert_backward`,
+    `swiglu_impl`: `ModelConfig`'s (paths with the permute exchange)."""
     row = path_row(moe_path)
 
     def run(x: jax.Array, routing: Routing, weights: ExpertWeights) -> tuple[jax.Array, ExpertStats]:
@@ -117,7 +120,7 @@ def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "b
         k = routing.expert_ids.shape[-1]
         exchange = build_exchange(row, seq_len=s, capacity_factor=capacity_factor)
         y, computed = run_exchange(exchange, row.gemm, x, routing.expert_ids, routing.weights,
-                                   weights.astype(x.dtype), weights.n_experts, expert_backward)
+                                   weights.astype(x.dtype), weights.n_experts, expert_backward, swiglu_impl)
         dropped = 1.0 - computed.astype(jnp.float32) / (b * s * k)
         return y, ExpertStats(routed_load(routing.expert_ids, weights.n_experts), dropped)
 

@@ -1,6 +1,7 @@
 """FFI-backed MoE ops with custom VJPs (CPU handlers always; CUDA handlers when built).
 
-- grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad.
+- grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad;
+  grouped_gemm_swiglu: the gate/up GEMM and SwiGLU of an expert FFN, both outputs from one call.
 - permute / unpermute: single-device dispatch/combine, each other's transposes; permute_rows: a permute's
   copy step again for new rows (its row index and group sizes known).
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
@@ -13,6 +14,7 @@ from turbo_moe.ops._ffi import ensure_registered, kernel_info
 from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
+from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops.permute import PermuteHandle, permute, permute_rows
 from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
 from turbo_moe.ops.router_topk import router_topk
@@ -24,6 +26,7 @@ __all__ = [
     "kernel_info",
     "grouped_gemm",
     "grouped_gemm_weight_grad",
+    "grouped_gemm_swiglu",
     "permute",
     "permute_rows",
     "unpermute",

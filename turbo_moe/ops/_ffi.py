@@ -22,6 +22,7 @@ from turbo_moe.ops.varying import make_varying, match_varying, varying_axes  # n
 TARGETS = (
     "turbo_moe_grouped_gemm",
     "turbo_moe_grouped_gemm_weight_grad",
+    "turbo_moe_grouped_gemm_swiglu",
     "turbo_moe_permute",
     "turbo_moe_permute_rows",
     "turbo_moe_unpermute",

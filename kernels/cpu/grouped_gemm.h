@@ -1,0 +1,12 @@
+// The grouped GEMM's forward (grouped_gemm.cc) for the handlers that run it as their first step
+// (grouped_gemm_swiglu.cc): out[r] = lhs[r] @ rhs[g(r)], rows past sum(group_sizes) zero.
+#pragma once
+
+#include "common.h"
+
+namespace turbo_moe {
+
+ffi::Error run_grouped_gemm(ffi::ThreadPool* pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, bool transpose_rhs);
+
+}  // namespace turbo_moe

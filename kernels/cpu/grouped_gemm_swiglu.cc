@@ -1,0 +1,64 @@
+// CPU FFI handler of the grouped GEMM with SwiGLU (the expert FFN's first half):
+//   turbo_moe_grouped_gemm_swiglu: h = lhs @ rhs[g(r)] (M, 2F) as turbo_moe_grouped_gemm computes it, and
+//   act[r, j] = silu(h[r, j]) * h[r, F + j] (M, F), from h as stored (rounded to its dtype), in float32.
+// Why one call returns both: the caller keeps h for its backward pass and feeds act to the next GEMM. Inside
+// a layer scan XLA writes a custom call's result straight into the scan's stacked residuals only when that
+// result has no other reader; with SwiGLU as a separate XLA fusion reading h it copied h instead (201 MB a
+// layer at `reduced`; experiments/NOTES.md, issue 14). Same contract as kernels/cuda/grouped_gemm_swiglu.cu.
+#include <cmath>
+
+#include "grouped_gemm.h"
+
+namespace turbo_moe {
+namespace {
+
+ffi::Error GroupedGemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                                 ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> h,
+                                 ffi::Result<ffi::AnyBuffer> act,
+                                 ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/,
+                                 bool transpose_rhs) {
+  Dtype dt;
+  if (!to_dtype(h->element_type(), &dt) || act->element_type() != h->element_type())
+    return invalid("grouped_gemm_swiglu: h and act must share one dtype of float32/bfloat16/float16");
+  auto hd = h->dimensions(), ad = act->dimensions();
+  const int64_t rank = hd.size();
+  if (rank < 2 || ad.size() != hd.size())
+    return invalid("grouped_gemm_swiglu: expected h [..., M, 2F] and act [..., M, F]");
+  const int64_t F = ad[rank - 1];
+  for (int64_t i = 0; i + 1 < rank; ++i)
+    if (ad[i] != hd[i]) return invalid("grouped_gemm_swiglu: h and act must share their leading dims");
+  if (hd[rank - 1] != 2 * F) return invalid("grouped_gemm_swiglu: h must be [..., M, 2F] for act [..., M, F]");
+  if (auto err = run_grouped_gemm(&pool, lhs, rhs, group_sizes, *h, transpose_rhs); err.failure()) return err;
+
+  const int64_t rows = leading_product(hd, 1);  // every row: rows past the groups are zero, and so is their act
+  const char* h_p = static_cast<const char*>(h->untyped_data());
+  char* act_p = static_cast<char*>(act->untyped_data());
+  const int64_t w = byte_width(dt);
+  constexpr int64_t kRowsPerItem = 64;
+  parallel_for(&pool, (rows + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+    std::vector<float> in(2 * F), out(F);
+    for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r) {
+      load_f32(dt, h_p + r * 2 * F * w, 2 * F, in.data());
+      for (int64_t j = 0; j < F; ++j) {
+        const float g = in[j];
+        out[j] = g / (1.0f + std::exp(-g)) * in[F + j];
+      }
+      store_f32(dt, out.data(), F, act_p + r * F * w);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace turbo_moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_swiglu, turbo_moe::GroupedGemmSwigluImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
+                                  .Arg<xla::ffi::AnyBuffer>()                 // rhs [..., G, K, 2F] or [..., G, 2F, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // h [..., M, 2F]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // act [..., M, F]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
+                                  .Attr<bool>("transpose_rhs"));
