@@ -98,8 +98,9 @@ __global__ void rank_slots_kernel(const int32_t* ids, int64_t slots, int64_t E, 
 
 // One warp per slot: x_sorted[row_index[s]] = x[s / k] in vectors of V.
 template <typename V>
-__global__ void gather_rows_kernel(const char* x, const int32_t* row_index, char* x_sorted, int64_t T,
-                                   int64_t k, int64_t row_bytes, int64_t total_slots) {
+__global__ void gather_rows_kernel(const char* __restrict__ x, const int32_t* __restrict__ row_index,
+                                   char* __restrict__ x_sorted, int64_t T, int64_t k, int64_t row_bytes,
+                                   int64_t total_slots) {
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (warp >= total_slots) return;
@@ -109,7 +110,18 @@ __global__ void gather_rows_kernel(const char* x, const int32_t* row_index, char
   const V* src = reinterpret_cast<const V*>(x + (b * T + s / k) * row_bytes);
   V* dst = reinterpret_cast<V*>(x_sorted + (b * slots + r) * row_bytes);
   const int64_t n = row_bytes / static_cast<int64_t>(sizeof(V));
-  for (int64_t i = lane; i < n; i += 32) dst[i] = src[i];
+  // Up to kBatch loads in flight per lane before the first store (a 2560-byte bf16 row at d 1280 is 5 per
+  // lane): one load at a time left the copy latency-bound at ~3.2 TB/s (experiments/NOTES.md, issue 14).
+  constexpr int kBatch = 8;
+  for (int64_t i0 = lane; i0 < n; i0 += 32 * kBatch) {
+    V tmp[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      if (i0 + 32 * j < n) tmp[j] = src[i0 + 32 * j];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      if (i0 + 32 * j < n) dst[i0 + 32 * j] = tmp[j];
+  }
 }
 
 ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
