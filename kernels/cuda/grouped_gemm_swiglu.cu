@@ -26,31 +26,22 @@ __global__ void swiglu_rows_kernel(const T* __restrict__ h, T* __restrict__ act,
   const int64_t per_row = F / V;
   const Pack<T, V>* hv = reinterpret_cast<const Pack<T, V>*>(h + b * M * 2 * F);
   Pack<T, V>* av = reinterpret_cast<Pack<T, V>*>(act + b * M * F);
-  // kUnroll vectors a thread per round, their loads issued before any store (more bytes in flight per thread).
-  constexpr int kUnroll = 4;
-  const int64_t total = M * per_row, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i0 < total; i0 += kUnroll * stride) {
-    Pack<T, V> gate[kUnroll], up[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = i0 + u * stride, r = i / per_row, c = i - r * per_row;
-      if (i < total && r < rows) {
-        gate[u] = hv[r * 2 * per_row + c];
-        up[u] = hv[r * 2 * per_row + per_row + c];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = i0 + u * stride, r = i / per_row;
-      if (i >= total) break;
-      Pack<T, V> out;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < M * per_row; i += stride) {
+    const int64_t r = i / per_row, c = i - r * per_row;
+    Pack<T, V> out;
+    if (r < rows) {
+      const Pack<T, V> gate = hv[r * 2 * per_row + c], up = hv[r * 2 * per_row + per_row + c];
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float g = r < rows ? to_f32(gate[u].v[k]) : 0.0f;  // rows past the groups: zeros, like h's
-        out.v[k] = from_f32<T>(r < rows ? g / (1.0f + expf(-g)) * to_f32(up[u].v[k]) : 0.0f);
+        const float g = to_f32(gate.v[k]);
+        out.v[k] = from_f32<T>(g / (1.0f + expf(-g)) * to_f32(up.v[k]));
       }
-      av[i] = out;
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) out.v[k] = from_f32<T>(0.0f);
     }
+    av[i] = out;
   }
 }
 

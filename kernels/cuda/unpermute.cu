@@ -22,67 +22,31 @@ struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
 
-// One block per token, blockDim.x threads over the row's packs. K > 0: top-k of at most K, the token's k row loads
-// issued together before the sums (one at a time, the combine was latency-bound at ~3.2 TB/s; NOTES, issue 14);
-// K = 0: any k, one row at a time. The sum's order (j ascending, float32 FMA) is the same either way.
-template <typename T, int V, int K>
-__global__ void __launch_bounds__(256) unpermute_kernel(const T* __restrict__ y,
-                                                        const int32_t* __restrict__ row_index,
-                                                        const float* __restrict__ weights,
-                                                        T* __restrict__ out, int64_t R, int64_t H,
-                                                        int64_t T_, int64_t k) {
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) unpermute_kernel(const T* __restrict__ y,
+                                                              const int32_t* __restrict__ row_index,
+                                                              const float* __restrict__ weights,
+                                                              T* __restrict__ out, int64_t R, int64_t H,
+                                                              int64_t T_, int64_t k) {
   const int64_t bt = blockIdx.x, b = bt / T_;
   const int32_t* rows = row_index + bt * k;
   const float* w = weights + bt * k;
   const int64_t packs = H / V;
-  const Pack<T, V>* y_rows = reinterpret_cast<const Pack<T, V>*>(y + b * R * H);
-  for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+  for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
     float acc[V] = {};
-    if constexpr (K > 0) {
-      Pack<T, V> src[K];
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t r = rows[j];
+      if (r < 0 || r >= R) continue;
+      const Pack<T, V> src = reinterpret_cast<const Pack<T, V>*>(y + (b * R + r) * H)[p];
+      const float wt = w[j];
 #pragma unroll
-      for (int j = 0; j < K; ++j) {
-        const int32_t r = j < k ? rows[j] : -1;
-        if (r >= 0 && r < R) src[j] = y_rows[r * packs + p];
-      }
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        const int32_t r = j < k ? rows[j] : -1;
-        if (r < 0 || r >= R) continue;
-        const float wt = w[j];
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] = fmaf(wt, to_f32(src[j].v[i]), acc[i]);
-      }
-    } else {
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t r = rows[j];
-        if (r < 0 || r >= R) continue;
-        const Pack<T, V> src = y_rows[r * packs + p];
-        const float wt = w[j];
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] = fmaf(wt, to_f32(src.v[i]), acc[i]);
-      }
+      for (int i = 0; i < V; ++i) acc[i] = fmaf(wt, to_f32(src.v[i]), acc[i]);
     }
     Pack<T, V> dst;
 #pragma unroll
     for (int i = 0; i < V; ++i) dst.v[i] = from_f32<T>(acc[i]);
     reinterpret_cast<Pack<T, V>*>(out + bt * H)[p] = dst;
   }
-}
-
-// Threads per block: the row's packs rounded up to whole warps, at most 256.
-inline unsigned row_threads(int64_t packs) {
-  return static_cast<unsigned>(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(packs, 32) * 32)));
-}
-
-template <typename T, int V>
-void launch_unpermute(const T* y, const int32_t* row_index, const float* weights, T* out, int64_t R, int64_t H,
-                      int64_t T_, int64_t k, unsigned blocks, cudaStream_t stream) {
-  const unsigned threads = row_threads(H / V);
-  if (k <= 8)
-    unpermute_kernel<T, V, 8><<<blocks, threads, 0, stream>>>(y, row_index, weights, out, R, H, T_, k);
-  else
-    unpermute_kernel<T, V, 0><<<blocks, threads, 0, stream>>>(y, row_index, weights, out, R, H, T_, k);
 }
 
 // inverse[b][r] = the slot s = t * k + j whose row_index is r (rows are unique: permute never repeats one).
@@ -175,10 +139,11 @@ ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi:
     E* out_p = static_cast<E*>(out->untyped_data());
     const unsigned blocks = static_cast<unsigned>(batch * T);
     if (can_pack<E>(H, {y_p, out_p}))
-      launch_unpermute<E, 16 / sizeof(E)>(y_p, row_index.typed_data(), weights.typed_data(), out_p, R, H, T, k,
-                                          blocks, stream);
+      unpermute_kernel<E, 16 / sizeof(E)><<<blocks, kThreads, 0, stream>>>(
+          y_p, row_index.typed_data(), weights.typed_data(), out_p, R, H, T, k);
     else
-      launch_unpermute<E, 1>(y_p, row_index.typed_data(), weights.typed_data(), out_p, R, H, T, k, blocks, stream);
+      unpermute_kernel<E, 1><<<blocks, kThreads, 0, stream>>>(y_p, row_index.typed_data(),
+                                                               weights.typed_data(), out_p, R, H, T, k);
   });
   return last_cuda_error("unpermute");
 }
