@@ -216,6 +216,7 @@ def breakdown(run_dir: Path) -> dict:
                     "opcode": opcode, "op_name": op_name,
                     "kernels": ";".join(f"{k}x{n // n_steps or n}" for k, n in kernels[key].most_common(3))})
     ops.sort(key=lambda r: -r["ms_per_step"])
+    category_of = {r["hlo_op"]: r["category"] for r in ops}
     custom_calls = collections.Counter(m.group(1) for m in re.finditer(r'custom_call_target="([^"]+)"', hlo_text))
     return {"meta": meta, "module": module, "foreign_modules": dict(foreign), "n_steps": n_steps,
             "rows": [(c, p, d, ms) for (c, p, d), ms in agg.items()], "ops": ops,
@@ -223,7 +224,22 @@ def breakdown(run_dir: Path) -> dict:
             "step_ms": meta["step_time_s_traced"] * 1e3, "step_ms_untraced": meta["step_time_s_untraced"] * 1e3,
             "span_ms": ((max(e["ts_us"] + e["dur_us"] for e in events) - min(e["ts_us"] for e in events))
                         / 1e3 / n_steps) if events else 0.0,
-            "custom_calls": dict(custom_calls)}
+            "custom_calls": dict(custom_calls),
+            "gaps_before": _gaps_before(events, lambda e: category_of.get(e["key"], "other"), n_steps)}
+
+
+def _gaps_before(events: list[dict], category, n_steps: int) -> dict:
+    """Device idle time (ms/step) by the category of the kernel that ends it; idle stretches over 1 ms apart under
+    "between_steps" (the host between two traced steps)."""
+    gaps = collections.Counter()
+    ordered = sorted(events, key=lambda e: e["ts_us"])
+    end = ordered[0]["ts_us"] + ordered[0]["dur_us"] if ordered else 0.0
+    for e in ordered[1:]:
+        idle = e["ts_us"] - end
+        if idle > 0:
+            gaps["between_steps" if idle > 1000 else category(e)] += idle / 1e3 / n_steps
+        end = max(end, e["ts_us"] + e["dur_us"])
+    return dict(gaps.most_common())
 
 
 def _table(b: dict) -> list[dict]:
@@ -360,6 +376,8 @@ def analyze(args) -> dict:
     for d, ms in other:
         detail[d] += ms
     print("other/mtp detail (ms/step): " + ", ".join(f"{d} {ms:.3f}" for d, ms in detail.most_common(12)))
+    print("gaps (ms/step) by the kernel category that ends them: "
+          + ", ".join(f"{c} {ms:.3f}" for c, ms in list(b["gaps_before"].items())[:10]))
     print("top ops:")
     for op in b["ops"][:args.top]:
         print(f"  {op['ms_per_step']:8.3f} ms {op['category']:<13} {op['phase']:<9} {op['hlo_op']:<40} "
@@ -393,10 +411,14 @@ def analyze(args) -> dict:
     ops_path = results / f"step_breakdown_{tag}_ops.csv"
     with open(ops_path, "w", newline="") as fp:
         fields = ["hlo_op", "category", "phase", "detail", "ms_per_step", "opcode", "kernels", "op_name"]
-        writer = csv.DictWriter(fp, fieldnames=fields)
+        # the run's identity on every row (the overrides stay in the category CSV: 300 copies would bloat this one)
+        ops_provenance = {k: provenance[k] for k in ("device_kind", "jax_version", "git_commit", "date", "model",
+                                                     "moe_path", "per_device_batch", "seq_len", "step_ms_untraced")}
+        writer = csv.DictWriter(fp, fieldnames=[*fields, *ops_provenance])
         writer.writeheader()
         for op in b["ops"][:300]:
-            writer.writerow({**{k: op[k] for k in fields}, "ms_per_step": round(op["ms_per_step"], 5)})
+            writer.writerow({**{k: op[k] for k in fields}, "ms_per_step": round(op["ms_per_step"], 5),
+                             **ops_provenance})
     fig_path = figures / f"step_breakdown_{tag}.png"
     footer = (f"{prov['device_kind']} x{prov['device_count']}, jax {prov['jax_version']}, commit {prov['git_commit']}, "
               f"{prov['date']}; traced {b['n_steps']} steps; untraced step {untraced:.2f} ms; "

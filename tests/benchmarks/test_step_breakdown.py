@@ -167,3 +167,16 @@ def test_train_overrides_are_parsed_refused_when_collect_sets_them_and_tagged():
     assert sb.config_tag(params) == "reduced-lct4096_turbo_b8_s2048"  # a collect from before the flag
     params["train_overrides"] = {"adam_mu_dtype": "bfloat16"}
     assert sb.config_tag(params) == "reduced-amdbfloat16-lct4096_turbo_b8_s2048"
+
+
+def test_gaps_are_charged_to_the_kernel_that_ends_them():
+    sb = _step_breakdown_module()
+    cats = {"a": "attention", "g": "grouped_gemm", "n": "attention"}
+    events = [_ev("s", 0, 10, "a"), _ev("s", 2, 3, "n"),   # nested: no gap
+              _ev("s", 14, 6, "g"),                      # 4 us idle before a grouped GEMM
+              _ev("s", 20, 5, "a"),                      # back to back: no gap
+              _ev("s", 2525, 5, "g"),                    # 2.5 ms idle: the host between two steps
+              _ev("s", 2540, 1, "a")]                    # 10 us idle before attention
+    gaps = sb._gaps_before(events, lambda e: cats[e["hlo_op"]], n_steps=2)
+    assert gaps == pytest.approx({"between_steps": 2.5 / 2, "attention": 0.010 / 2, "grouped_gemm": 0.004 / 2})
+    assert sb._gaps_before([], lambda e: "x", n_steps=1) == {}
