@@ -30,26 +30,31 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, preferre
       (M, N); rows past sum(group_sizes) are zero. Differentiable in lhs and rhs.
     """
     del precision
+    compute = check_operands(lhs, rhs, group_sizes, transpose_rhs, "N")
+    out_dtype = compute if preferred_element_type is None else _checks.float_dtype(
+        "preferred_element_type", preferred_element_type)
+    return _grouped_gemm(lhs.astype(compute), rhs.astype(compute), _checks.as_int32(group_sizes),
+                         bool(transpose_rhs), jnp.dtype(out_dtype))
+
+
+def check_operands(lhs, rhs, group_sizes, transpose_rhs: bool, n_name: str):
+    """Names the argument and the expected layout for a bad forward call; returns the promoted compute dtype.
+    n_name: how the layout strings spell the output width ("N", or "2F" for grouped_gemm_swiglu)."""
+    layout = f"(G, {n_name}, K)" if transpose_rhs else f"(G, K, {n_name})"
     _checks.check_rank("lhs", lhs, 2, "(M, K)")
-    _checks.check_rank("rhs", rhs, 3, "(G, N, K)" if transpose_rhs else "(G, K, N)")
+    _checks.check_rank("rhs", rhs, 3, layout)
     _checks.check_rank("group_sizes", group_sizes, 1, "(G,)")
     _checks.check_integer("group_sizes", group_sizes)
     _checks.float_dtype("lhs", lhs.dtype)
     _checks.float_dtype("rhs", rhs.dtype)
-    compute = jnp.promote_types(lhs.dtype, rhs.dtype)
-    out_dtype = compute if preferred_element_type is None else _checks.float_dtype(
-        "preferred_element_type", preferred_element_type)
-    G = rhs.shape[0]
     rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
     if rhs_k != lhs.shape[1]:
-        layout = "(G, N, K)" if transpose_rhs else "(G, K, N)"
         raise ValueError(f"rhs {layout} has contraction size {rhs_k} but lhs (M, K) has K={lhs.shape[1]} "
                          f"(lhs {lhs.shape}, rhs {rhs.shape}, transpose_rhs={transpose_rhs})")
-    if group_sizes.shape[0] != G:
-        raise ValueError(f"group_sizes must have shape (G,) = ({G},) to match rhs {rhs.shape}, "
+    if group_sizes.shape[0] != rhs.shape[0]:
+        raise ValueError(f"group_sizes must have shape (G,) = ({rhs.shape[0]},) to match rhs {rhs.shape}, "
                          f"got {group_sizes.shape}")
-    return _grouped_gemm(lhs.astype(compute), rhs.astype(compute), _checks.as_int32(group_sizes),
-                         bool(transpose_rhs), jnp.dtype(out_dtype))
+    return jnp.promote_types(lhs.dtype, rhs.dtype)
 
 
 def grouped_gemm_weight_grad(lhs, d_out, group_sizes, *, preferred_element_type=None):

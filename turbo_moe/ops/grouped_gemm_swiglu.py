@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call, match_varying
-from turbo_moe.ops.grouped_gemm import _gemm_call, _workspace, _weight_grad_call
+from turbo_moe.ops.grouped_gemm import _gemm_call, _weight_grad_call, _workspace, check_operands
 
 
 def grouped_gemm_swiglu(lhs, rhs, group_sizes, *, transpose_rhs: bool = False):
@@ -30,24 +30,11 @@ def grouped_gemm_swiglu(lhs, rhs, group_sizes, *, transpose_rhs: bool = False):
       h = lhs @ rhs[group of row] and act = silu(h[:, :F]) * h[:, F:]; rows past sum(group_sizes) are zero in
       both. Differentiable in lhs and rhs through both outputs.
     """
-    _checks.check_rank("lhs", lhs, 2, "(M, K)")
-    _checks.check_rank("rhs", rhs, 3, "(G, 2F, K)" if transpose_rhs else "(G, K, 2F)")
-    _checks.check_rank("group_sizes", group_sizes, 1, "(G,)")
-    _checks.check_integer("group_sizes", group_sizes)
-    _checks.float_dtype("lhs", lhs.dtype)
-    _checks.float_dtype("rhs", rhs.dtype)
-    rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
-    if rhs_k != lhs.shape[1]:
-        layout = "(G, 2F, K)" if transpose_rhs else "(G, K, 2F)"
-        raise ValueError(f"rhs {layout} has contraction size {rhs_k} but lhs (M, K) has K={lhs.shape[1]} "
-                         f"(lhs {lhs.shape}, rhs {rhs.shape}, transpose_rhs={transpose_rhs})")
+    compute = check_operands(lhs, rhs, group_sizes, transpose_rhs, "2F")
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if n % 2:
         raise ValueError(f"rhs must have an even output width 2F = [gate | up], got {n} (rhs {rhs.shape}, "
                          f"transpose_rhs={transpose_rhs})")
-    if group_sizes.shape[0] != rhs.shape[0]:
-        raise ValueError(f"group_sizes must have shape (G,) = ({rhs.shape[0]},) to match rhs {rhs.shape}, "
-                         f"got {group_sizes.shape}")
-    compute = jnp.promote_types(lhs.dtype, rhs.dtype)
     return _gemm_swiglu(lhs.astype(compute), rhs.astype(compute), _checks.as_int32(group_sizes), bool(transpose_rhs))
 
 
