@@ -180,10 +180,11 @@ class ModelConfig:
     # nor the down GEMM's output for the backward pass) or "autodiff" (each op's own VJP). `reduced` b8 x 2048 on an
     # H200: -2.2 to -3.2 ms a step, -6.9 GiB compiled memory; gradients as exact (experiments/NOTES.md, calls 72-76).
     expert_backward: str = "block"
-    # The expert block's gate/up GEMM and SwiGLU (the turbo GEMM with expert_backward "block"): "kernel"
-    # (turbo_moe.ops.grouped_gemm_swiglu: one FFI call returns h and act, so h's only reader is the layer scan's
-    # residual stack, which XLA then writes in place instead of copying h there) or "xla" (the GEMM, then SwiGLU as
-    # an XLA fusion). Other GEMMs and the autodiff backward always take "xla".
+    # The expert block's SwiGLU (the turbo GEMM with expert_backward "block"): "kernel" (forward:
+    # turbo_moe.ops.grouped_gemm_swiglu, one FFI call returns h and act, so h's only reader is the layer scan's
+    # residual stack, which XLA then writes in place instead of copying h there; backward: ops.swiglu_combine_grad,
+    # d_h and the combine weights' gradient in one pass) or "xla" (SwiGLU and its backward as XLA fusions). Other
+    # GEMMs and the autodiff backward always take "xla".
     swiglu_impl: str = "kernel"
 
     def __post_init__(self):

@@ -16,7 +16,8 @@ computed again where the backward needs it (an elementwise pass over h instead o
 The grouped GEMM is any differentiable `GroupedGemm` (the turbo FFI kernel, the Pallas one); the permute and
 unpermute are the turbo_moe.ops FFI calls. With `gate_up_swiglu` (`ops.grouped_gemm_swiglu` for the turbo GEMM)
 the forward gets h and act from one call: h's only reader is then the layer scan's residual stack, which XLA writes
-in place (with SwiGLU as an XLA fusion reading h too, it copied h there: 201 MB a layer at `reduced`). Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g)
+in place (with SwiGLU as an XLA fusion reading h too, it copied h there: 201 MB a layer at `reduced`), and the
+backward computes d_h and the combine weights' gradient in one pass over h and g W^T (`ops.swiglu_combine_grad`). Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g)
 rounded, then @ W^T); d_w sums act * G in float32 (the pieces: y * g). Both bf16-close, not bit-equal.
 """
 
@@ -32,6 +33,7 @@ from turbo_moe.model.experts import EXPERT_SAVE_NAMES, ExpertWeights, GroupedGem
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import match_varying
 from turbo_moe.ops.permute import ROW_INDEX_NAME, _permute_call, permute_rows_call
+from turbo_moe.ops.swiglu_combine_grad import swiglu_combine_grad
 from turbo_moe.ops.unpermute import unpermute_call
 
 
@@ -89,7 +91,6 @@ def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm
 
 
 def _block_bwd(n_experts, gemm, gate_up_swiglu, residuals, cotangents):
-    del gate_up_swiglu  # the backward's SwiGLU passes are XLA fusions over the saved h
     tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
     act = swiglu_fused(h)  # not saved: XLA fuses it into the two passes below that read it
     d_y = cotangents[0]  # (T, D); group_sizes are integers
@@ -104,13 +105,18 @@ def _block_bwd(n_experts, gemm, gate_up_swiglu, residuals, cotangents):
     with jax.named_scope("grouped_gemm"):
         _, down_vjp = jax.vjp(lambda a, w: gemm(a, w, group_sizes), act_w, w_down)
         g_act, d_w_down = down_vjp(g_rows)  # g @ W^T (it does not depend on act_w) and (w act)^T @ g
+    if gate_up_swiglu is not None:  # the SwiGLU kernels (swiglu_impl="kernel"): one pass reads h and g_act once
+        with jax.named_scope("swiglu"):
+            d_h, d_w_rows = swiglu_combine_grad(h, g_act, w_rows[:, 0])
+    else:
+        with jax.named_scope("unpermute"):
+            d_w_rows = jnp.sum(act.astype(jnp.float32) * g_act.astype(jnp.float32), axis=-1)  # <y, g> per row
+        with jax.named_scope("swiglu"):
+            d_act = (g_act.astype(jnp.float32) * w_rows).astype(act.dtype)
+            _, swiglu_vjp = jax.vjp(swiglu_fused, h)
+            (d_h,) = swiglu_vjp(d_act)
     with jax.named_scope("unpermute"):
-        d_w_rows = jnp.sum(act.astype(jnp.float32) * g_act.astype(jnp.float32), axis=-1)  # <y, g> per row
         d_combine = jnp.where(row_index >= 0, d_w_rows[jnp.maximum(row_index, 0)], 0.0)
-    with jax.named_scope("swiglu"):
-        d_act = (g_act.astype(jnp.float32) * w_rows).astype(act.dtype)
-        _, swiglu_vjp = jax.vjp(swiglu_fused, h)
-        (d_h,) = swiglu_vjp(d_act)
     with jax.named_scope("permute"):
         rows = permute_rows_call(tokens, row_index, group_sizes)  # the forward's permuted rows
     with jax.named_scope("grouped_gemm"):

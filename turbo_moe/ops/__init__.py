@@ -1,7 +1,8 @@
 """FFI-backed MoE ops with custom VJPs (CPU handlers always; CUDA handlers when built).
 
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad;
-  grouped_gemm_swiglu: the gate/up GEMM and SwiGLU of an expert FFN, both outputs from one call.
+  grouped_gemm_swiglu: the gate/up GEMM and SwiGLU of an expert FFN, both outputs from one call;
+  swiglu_combine_grad: SwiGLU's backward and the combine weights' gradient in one pass (no VJP of its own).
 - permute / unpermute: single-device dispatch/combine, each other's transposes; permute_rows: a permute's
   copy step again for new rows (its row index and group sizes known).
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
@@ -15,6 +16,7 @@ from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
+from turbo_moe.ops.swiglu_combine_grad import swiglu_combine_grad
 from turbo_moe.ops.permute import PermuteHandle, permute, permute_rows
 from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
 from turbo_moe.ops.router_topk import router_topk
@@ -27,6 +29,7 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_weight_grad",
     "grouped_gemm_swiglu",
+    "swiglu_combine_grad",
     "permute",
     "permute_rows",
     "unpermute",

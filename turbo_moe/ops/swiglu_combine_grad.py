@@ -1,0 +1,32 @@
+"""The expert block's SwiGLU backward with its combine weights, in one pass (`model.expert_block`).
+
+For h (..., 2F) = [gate | up], g (..., F) (the down GEMM's data gradient of the *unweighted* output cotangent) and
+w (...) float32 (each row's combine weight):
+  d_w[r] = sum_j act[r, j] * g[r, j]          act = silu(gate) * up in float32: the combine weight's gradient
+  d_h[r] = SwiGLU's backward at h[r] for d_act = (w[r] * g[r]) rounded to h's dtype: the gate/up output's gradient
+One FFI call reads h and g once; as two XLA fusions (a row reduction and an elementwise pass) both were read twice.
+A backward-pass building block: it has no VJP of its own.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from turbo_moe.ops import _checks
+from turbo_moe.ops._ffi import ffi_call
+
+
+def swiglu_combine_grad(h, g, w):
+    """h (..., 2F), g (..., F) of one float dtype, w (...) -> (d_h (..., 2F) like h, d_w (...) float32)."""
+    _checks.float_dtype("h", h.dtype)
+    if g.dtype != h.dtype:
+        raise TypeError(f"g must have h's dtype {h.dtype}, got {g.dtype}")
+    if h.ndim < 1 or h.shape[-1] % 2:
+        raise ValueError(f"h must be (..., 2F) = [gate | up] with an even last dim, got {h.shape}")
+    if g.shape != h.shape[:-1] + (h.shape[-1] // 2,):
+        raise ValueError(f"g must be (..., F) = {h.shape[:-1] + (h.shape[-1] // 2,)} for h {h.shape}, got {g.shape}")
+    if w.shape != h.shape[:-1]:
+        raise ValueError(f"w must be (...) = {h.shape[:-1]} (one combine weight a row of h), got {w.shape}")
+    return tuple(ffi_call("turbo_moe_swiglu_combine_grad",
+                          (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)),
+                          h, g, w.astype(jnp.float32)))
