@@ -92,7 +92,7 @@ def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm
 
 def _block_bwd(n_experts, gemm, gate_up_swiglu, residuals, cotangents):
     tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
-    act = swiglu_fused(h)  # not saved: XLA fuses it into the two passes below that read it
+    act = swiglu_fused(h)  # not saved: XLA fuses it into the passes below that read it (act * w; with "xla" <act, g>)
     d_y = cotangents[0]  # (T, D); group_sizes are integers
     with jax.named_scope("unpermute"):
         g_rows = permute_rows_call(d_y.astype(act.dtype), row_index, group_sizes)  # unweighted rows of g
