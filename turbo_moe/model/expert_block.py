@@ -17,8 +17,9 @@ The grouped GEMM is any differentiable `GroupedGemm` (the turbo FFI kernel, the 
 unpermute are the turbo_moe.ops FFI calls. With `gate_up_swiglu` (`ops.grouped_gemm_swiglu` for the turbo GEMM)
 the forward gets h and act from one call: h's only reader is then the layer scan's residual stack, which XLA writes
 in place (with SwiGLU as an XLA fusion reading h too, it copied h there: 201 MB a layer at `reduced`), and the
-backward computes d_h and the combine weights' gradient in one pass over h and g W^T (`ops.swiglu_combine_grad`). Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g)
-rounded, then @ W^T); d_w sums act * G in float32 (the pieces: y * g). Both bf16-close, not bit-equal.
+backward computes d_h and the combine weights' gradient in one pass over h and g W^T (`ops.swiglu_combine_grad`).
+Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g) rounded, then @ W^T); d_w sums act * G in
+float32 (the pieces: y * g). Both bf16-close, not bit-equal.
 """
 
 from __future__ import annotations
