@@ -64,27 +64,34 @@ inline int64_t leading_product(ffi::AnyBuffer::Dimensions dims, int64_t core_ran
   return p;
 }
 
-inline int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 0 || device >= 64) return 132;
+// A device attribute, asked once per device (the answer cannot change in a process); 0 when the query fails.
+template <cudaDeviceAttr kAttr>
+inline int device_attribute(int device) {
+  static int cached[64] = {0};  // 0: not asked yet, else the answer + 1
+  if (device < 0 || device >= 64) return 0;
   if (cached[device] == 0) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-    cached[device] = n > 0 ? n : 132;
+    int value = 0;
+    if (cudaDeviceGetAttribute(&value, kAttr, device) != cudaSuccess) value = 0;
+    cached[device] = value + 1;
   }
-  return cached[device];
+  return cached[device] - 1;
+}
+
+inline int sm_count(int device) {
+  const int n = device_attribute<cudaDevAttrMultiProcessorCount>(device);
+  return n > 0 ? n : 132;
 }
 
 inline int compute_capability_major(int device) {
-  static int cached[64] = {0};
-  if (device < 0 || device >= 64) return 0;
-  if (cached[device] == 0) {
-    int major = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cached[device] = major > 0 ? major : -1;
-  }
-  return cached[device];
+  const int major = device_attribute<cudaDevAttrComputeCapabilityMajor>(device);
+  return major > 0 ? major : -1;
 }
+
+// V elements of T loaded or stored as one vector (16 bytes at most: V * sizeof(T) <= 16).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
 
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

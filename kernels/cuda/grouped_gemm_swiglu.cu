@@ -11,11 +11,6 @@
 namespace turbo_moe {
 namespace {
 
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
 // Grid-stride over batch b's (M, F / V) vectors of act: rows in a group get silu(gate) * up, rows past the
 // groups (offsets[b * stride + G] on) get zeros, like h's.
 template <typename T, int V>

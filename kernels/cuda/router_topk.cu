@@ -289,20 +289,10 @@ __global__ void __launch_bounds__(1024) penalized_cluster_kernel(const float* __
 // a compute capability 9.0 device loads (another would JIT the sm_80 PTX, whose body is empty). Device attribute
 // queries only: safe while XLA captures a command buffer.
 inline bool cluster_walk_available() {
-  // Asked once per device (the answer cannot change in a process), not three attributes on every call.
-  static int cached[64] = {0};  // 0 unknown, 1 yes, -1 no
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (dev < 0 || dev >= 64) return false;
-  if (cached[dev] == 0) {
-    int major = 0, minor = 0, cluster_launch = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&cluster_launch, cudaDevAttrClusterLaunch, dev) == cudaSuccess &&
-                    major == 9 && minor == 0 && cluster_launch;
-    cached[dev] = ok ? 1 : -1;
-  }
-  return cached[dev] == 1;
+  return cudaGetDevice(&dev) == cudaSuccess && device_attribute<cudaDevAttrComputeCapabilityMajor>(dev) == 9 &&
+         device_attribute<cudaDevAttrComputeCapabilityMinor>(dev) == 0 &&
+         device_attribute<cudaDevAttrClusterLaunch>(dev) != 0;
 }
 
 // The cluster walk (a chunk's tokens over C <= 8 blocks, one pass each) where it fits, else the one-block walk.

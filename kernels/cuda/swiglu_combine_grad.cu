@@ -13,11 +13,6 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
-template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) swiglu_combine_grad_kernel(const T* __restrict__ h,
                                                                         const T* __restrict__ g,
                                                                         const float* __restrict__ w,

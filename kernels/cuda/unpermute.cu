@@ -18,11 +18,6 @@ namespace {
 constexpr int kThreads = 128;
 
 template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
-template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) unpermute_kernel(const T* __restrict__ y,
                                                               const int32_t* __restrict__ row_index,
                                                               const float* __restrict__ weights,
