@@ -2,8 +2,10 @@
 //   turbo_moe_swiglu_combine_grad: h (R, 2F) = [gate | up], g (R, F), w (R,) float32 ->
 //     d_w[r] = sum_j act[r, j] * g[r, j]                    (float32; act = silu(gate) * up in float32)
 //     d_h[r] = SwiGLU's backward at h for d_act = round(w[r] * g[r])   ([d_gate | d_up], rounded once)
-// One warp per row: h and g are read once, d_h written once, d_w a fixed-order warp reduction (deterministic).
-// As XLA fusions the two results read h and g twice (experiments/NOTES.md, issue 14). Same contract as
+//     act_w[r] = round(round(act[r]) * w[r])   (act as grouped_gemm_swiglu's forward rounds it: the down weight
+//                                               gradient's lhs, which an XLA pass over h computed again before)
+// One warp per row: h and g are read once, d_h and act_w written once, d_w a fixed-order warp reduction
+// (deterministic). As XLA fusions the results read h three times (experiments/NOTES.md, issue 14). Same contract as
 // kernels/cpu/swiglu_combine_grad.cc. No scratch, no host sync: safe in XLA's command buffers.
 #include "common.cuh"
 
@@ -17,7 +19,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_combine_grad_kernel(const T* 
                                                                         const T* __restrict__ g,
                                                                         const float* __restrict__ w,
                                                                         T* __restrict__ d_h,
-                                                                        float* __restrict__ d_w, int64_t rows,
+                                                                        float* __restrict__ d_w,
+                                                                        T* __restrict__ act_w, int64_t rows,
                                                                         int64_t F) {
   const int64_t r = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
@@ -26,40 +29,45 @@ __global__ void __launch_bounds__(kThreads) swiglu_combine_grad_kernel(const T* 
   const Pack<T, V>* hv = reinterpret_cast<const Pack<T, V>*>(h + r * 2 * F);
   const Pack<T, V>* gv = reinterpret_cast<const Pack<T, V>*>(g + r * F);
   Pack<T, V>* dv = reinterpret_cast<Pack<T, V>*>(d_h + r * 2 * F);
+  Pack<T, V>* av = reinterpret_cast<Pack<T, V>*>(act_w + r * F);
   const float wr = w[r];
   float dw = 0.0f;
   for (int64_t p = lane; p < packs; p += 32) {
     const Pack<T, V> gate = hv[p], up = hv[packs + p], gp = gv[p];
-    Pack<T, V> d_gate, d_up;
+    Pack<T, V> d_gate, d_up, aw;
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float a = to_f32(gate.v[i]), u = to_f32(up.v[i]), gi = to_f32(gp.v[i]);
-      const float sig = 1.0f / (1.0f + expf(-a));
+      const float e = expf(-a), sig = 1.0f / (1.0f + e);
       const float d_act = to_f32(from_f32<T>(wr * gi));  // rounded to the dtype, as the XLA path does
       dw += a * sig * u * gi;
       d_gate.v[i] = from_f32<T>(d_act * u * sig * (1.0f + a * (1.0f - sig)));
       d_up.v[i] = from_f32<T>(d_act * a * sig);
+      aw.v[i] = from_f32<T>(to_f32(from_f32<T>(a / (1.0f + e) * u)) * wr);  // the forward kernel's act, times w
     }
     dv[p] = d_gate;
     dv[packs + p] = d_up;
+    av[p] = aw;
   }
   for (int d = 16; d > 0; d >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, d);
   if (lane == 0) d_w[r] = dw;
 }
 
 template <typename T, int V>
-void launch(const void* h, const void* g, const float* w, void* d_h, float* d_w, int64_t rows, int64_t F,
-            cudaStream_t stream) {
+void launch(const void* h, const void* g, const float* w, void* d_h, float* d_w, void* act_w, int64_t rows,
+            int64_t F, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(ceil_div(rows, kThreads / 32));
   swiglu_combine_grad_kernel<T, V><<<blocks, kThreads, 0, stream>>>(
-      static_cast<const T*>(h), static_cast<const T*>(g), w, static_cast<T*>(d_h), d_w, rows, F);
+      static_cast<const T*>(h), static_cast<const T*>(g), w, static_cast<T*>(d_h), d_w, static_cast<T*>(act_w),
+      rows, F);
 }
 
 ffi::Error SwigluCombineGradImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> w,
-                                 ffi::Result<ffi::AnyBuffer> d_h, ffi::Result<ffi::Buffer<ffi::F32>> d_w) {
+                                 ffi::Result<ffi::AnyBuffer> d_h, ffi::Result<ffi::Buffer<ffi::F32>> d_w,
+                                 ffi::Result<ffi::AnyBuffer> act_w) {
   if (!is_float_type(h.element_type()) || g.element_type() != h.element_type() ||
-      d_h->element_type() != h.element_type())
-    return invalid("swiglu_combine_grad: h, g and d_h must share one dtype of float32/bfloat16/float16");
+      d_h->element_type() != h.element_type() || act_w->element_type() != h.element_type())
+    return invalid("swiglu_combine_grad: h, g, d_h and act_w must share one dtype of float32/bfloat16/float16");
   auto hd = h.dimensions(), gd = g.dimensions(), wd = w.dimensions();
   const int64_t rank = hd.size();
   if (rank < 1 || static_cast<int64_t>(gd.size()) != rank || static_cast<int64_t>(wd.size()) != rank - 1)
@@ -68,21 +76,23 @@ ffi::Error SwigluCombineGradImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Any
   for (int64_t i = 0; i + 1 < rank; ++i)
     if (gd[i] != hd[i] || wd[i] != hd[i]) return invalid("swiglu_combine_grad: h, g and w must share leading dims");
   if (hd[rank - 1] != 2 * F) return invalid("swiglu_combine_grad: h must be [..., 2F] for g [..., F]");
+  if (act_w->dimensions().size() != gd.size() || !std::equal(gd.begin(), gd.end(), act_w->dimensions().begin()))
+    return invalid("swiglu_combine_grad: act_w must be [..., F] like g");
   const int64_t rows = leading_product(hd, 1);
   if (rows == 0) return ffi::Error::Success();
   if (rows >= (int64_t{1} << 36)) return invalid("swiglu_combine_grad: too many rows");
   const void *h_p = h.untyped_data(), *g_p = g.untyped_data();
-  void* dh_p = d_h->untyped_data();
-  // 16-byte packs when every row of h, g and d_h starts on a 16-byte boundary (F a multiple of the width).
+  void *dh_p = d_h->untyped_data(), *aw_p = act_w->untyped_data();
+  // 16-byte packs when every row of h, g, d_h and act_w starts on a 16-byte boundary (F a multiple of the width).
   const bool aligned = reinterpret_cast<uintptr_t>(h_p) % 16 == 0 && reinterpret_cast<uintptr_t>(g_p) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(dh_p) % 16 == 0;
+                       reinterpret_cast<uintptr_t>(dh_p) % 16 == 0 && reinterpret_cast<uintptr_t>(aw_p) % 16 == 0;
   dispatch_float(h.element_type(), [&](auto zero) {
     using T = decltype(zero);
     constexpr int kWide = 16 / sizeof(T);
     if (aligned && F % kWide == 0)
-      launch<T, kWide>(h_p, g_p, w.typed_data(), dh_p, d_w->typed_data(), rows, F, stream);
+      launch<T, kWide>(h_p, g_p, w.typed_data(), dh_p, d_w->typed_data(), aw_p, rows, F, stream);
     else
-      launch<T, 1>(h_p, g_p, w.typed_data(), dh_p, d_w->typed_data(), rows, F, stream);
+      launch<T, 1>(h_p, g_p, w.typed_data(), dh_p, d_w->typed_data(), aw_p, rows, F, stream);
   });
   return last_cuda_error("swiglu_combine_grad");
 }
@@ -97,5 +107,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_swiglu_combine_grad, turbo_moe::SwigluCo
                                   .Arg<xla::ffi::AnyBuffer>()                 // g [..., F]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // w [...]
                                   .Ret<xla::ffi::AnyBuffer>()                 // d_h [..., 2F]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),    // d_w [...]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_w [...]
+                                  .Ret<xla::ffi::AnyBuffer>(),                // act_w [..., F]
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -39,9 +39,10 @@ def main():
         print(f"grouped_gemm_swiglu {jnp.dtype(dtype).name} N={N}: h {np.abs(f32(h) - f32(out)).max():.3g} "
               f"act {e4:.3g}", flush=True)
         w_rows = jax.device_put(jnp.asarray(rng.random(M), jnp.float32), gpu)
-        d_h, d_w = ops.swiglu_combine_grad(h, act, w_rows)  # act as the cotangent: any (M, F) of h's dtype
+        d_h, d_w, act_w = ops.swiglu_combine_grad(h, act, w_rows)  # act as the cotangent: any (M, F) of h's dtype
         print(f"swiglu_combine_grad {jnp.dtype(dtype).name} F={N // 2}: d_w finite {bool(np.isfinite(f32(d_w)).all())}"
-              f" d_h finite {bool(np.isfinite(f32(d_h)).all())}", flush=True)
+              f" d_h finite {bool(np.isfinite(f32(d_h)).all())} act_w finite {bool(np.isfinite(f32(act_w)).all())}",
+              flush=True)
 
     T, H, k, E = 200, 40, 3, 8
     ids = rng.integers(0, E - 3, size=(T, k)).astype(np.int32)  # experts 5..7 stay empty

@@ -17,7 +17,7 @@ from tests.model.path_cases import fake_pallas  # noqa: F401  (a fixture)
 from tests.model.test_moe_paths import (TOLERANCE, make_case, path_loss_and_grads, reference_experts,
                                         reference_loss_and_grads)
 from turbo_moe.model import DeepSeekModel, ExpertWeights, get_config, lm_loss, moe_path_fn
-from turbo_moe.model.gemms import GATE_UP_SWIGLU, GEMMS
+from turbo_moe.model.gemms import GEMMS, SWIGLU_KERNELS
 from turbo_moe.model.paths import ExpertFfn
 
 pytestmark = requires_turbo
@@ -46,7 +46,7 @@ def _exchange(block: bool, fused: bool = False):
     from turbo_moe.model.exchanges import permute_exchange
 
     def run(tokens, ids, combine_w, w_gu, w_down):
-        ffn = ExpertFfn(ExpertWeights(w_gu, w_down), GEMMS["turbo"], block, GATE_UP_SWIGLU["turbo"] if fused else None)
+        ffn = ExpertFfn(ExpertWeights(w_gu, w_down), GEMMS["turbo"], block, SWIGLU_KERNELS["turbo"] if fused else None)
         return permute_exchange(tokens, ids, combine_w, w_gu.shape[0], ffn)
     return run
 

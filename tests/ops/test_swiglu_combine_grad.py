@@ -1,11 +1,12 @@
-"""swiglu_combine_grad: d_h and the combine weights' gradient against float64 and against the XLA expressions the
-expert block used before it (the same roundings), edge rows, leading dims, bad input."""
+"""swiglu_combine_grad: d_h, the combine weights' gradient and act * w against float64 and against the XLA
+expressions the expert block used before it (the same roundings); act * w bit for bit the forward kernel's act
+times w; edge rows, leading dims, bad input."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turbo_moe.ops import swiglu_combine_grad
+from turbo_moe.ops import grouped_gemm_swiglu, swiglu_combine_grad
 from turbo_moe.ops.grouped_gemm_swiglu import swiglu_grad
 
 
@@ -25,7 +26,19 @@ def _float64(h, g, w):
     d_w = np.sum(gate * sig * up * g, axis=-1)
     d_act = w[..., None] * g
     d_h = np.concatenate([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], axis=-1)
-    return d_h, d_w
+    return d_h, d_w, gate * sig * up * w[..., None]
+
+
+def forward_act(h):
+    """act as `grouped_gemm_swiglu` returns it for gate/up output h: h @ I, one group, is h exactly."""
+    eye = jnp.eye(h.shape[-1], dtype=h.dtype)[None]
+    _, act = grouped_gemm_swiglu(h, eye, jnp.array([h.shape[0]], jnp.int32))
+    return act
+
+
+def act_times_w(act, w):
+    """The contract of act_w: the forward's (rounded) act times w in float32, rounded to act's dtype."""
+    return (act.astype(jnp.float32) * w[:, None]).astype(act.dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -33,13 +46,16 @@ def _float64(h, g, w):
 def test_matches_float64_and_the_xla_expressions(rows, F, dtype):
     h, g, w = _inputs(rows + F, rows, F, dtype)
     w = w.at[::7].set(0.0)  # rows no copy fills have weight 0: d_h = 0, d_w still <act, g>
-    d_h, d_w = jax.jit(swiglu_combine_grad)(h, g, w)
+    d_h, d_w, act_w = jax.jit(swiglu_combine_grad)(h, g, w)
     assert d_h.shape == h.shape and d_h.dtype == h.dtype and d_w.shape == (rows,) and d_w.dtype == jnp.float32
-    want_h, want_w = _float64(h, g, w)
+    assert act_w.shape == g.shape and act_w.dtype == h.dtype
+    want_h, want_w, want_aw = _float64(h, g, w)
     tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}[dtype]
     np.testing.assert_allclose(np.asarray(d_w, np.float64), want_w, rtol=1e-5, atol=1e-5 * np.abs(want_w).max())
     np.testing.assert_allclose(np.asarray(d_h, np.float64), want_h, rtol=tol, atol=tol * np.abs(want_h).max())
-    assert not np.any(np.asarray(d_h, np.float32)[::7])
+    np.testing.assert_allclose(np.asarray(act_w, np.float64), want_aw, rtol=2 * tol, atol=tol * np.abs(want_aw).max())
+    np.testing.assert_array_equal(np.asarray(act_w, np.float32), np.asarray(act_times_w(forward_act(h), w), np.float32))
+    assert not np.any(np.asarray(d_h, np.float32)[::7]) and not np.any(np.asarray(act_w, np.float32)[::7])
     # the block's XLA path: d_act rounded to the dtype, then SwiGLU's written-out backward
     d_act = (g.astype(jnp.float32) * w[:, None]).astype(dtype)
     xla = swiglu_grad(h, d_act).astype(dtype)
@@ -48,10 +64,11 @@ def test_matches_float64_and_the_xla_expressions(rows, F, dtype):
 
 def test_leading_dims_are_rows_too():
     h, g, w = _inputs(3, 10, 16, jnp.float32, lead=(2, 3))
-    d_h, d_w = swiglu_combine_grad(h, g, w)
-    flat_h, flat_w = swiglu_combine_grad(h.reshape(60, 32), g.reshape(60, 16), w.reshape(60))
+    d_h, d_w, act_w = swiglu_combine_grad(h, g, w)
+    flat_h, flat_w, flat_aw = swiglu_combine_grad(h.reshape(60, 32), g.reshape(60, 16), w.reshape(60))
     np.testing.assert_array_equal(np.asarray(d_h).reshape(60, 32), np.asarray(flat_h))
     np.testing.assert_array_equal(np.asarray(d_w).reshape(60), np.asarray(flat_w))
+    np.testing.assert_array_equal(np.asarray(act_w).reshape(60, 16), np.asarray(flat_aw))
 
 
 def test_bad_input_names_the_argument():

@@ -51,7 +51,7 @@ def permute_exchange(tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
         from turbo_moe.model.expert_block import expert_block
 
         y, group_sizes = expert_block(tokens, expert_ids, combine_w, ffn.weights, n_experts, ffn.gemm,
-                                      ffn.gate_up_swiglu)
+                                      ffn.swiglu_kernels)
         return y, group_sizes.sum()
     with jax.named_scope("permute"):
         rows, group_sizes, handle = ops.permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,)

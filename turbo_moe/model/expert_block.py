@@ -14,10 +14,12 @@ the remat policies, as `experts.expert_ffn` names them), the tokens and the comb
 computed again where the backward needs it (an elementwise pass over h instead of a saved copy).
 
 The grouped GEMM is any differentiable `GroupedGemm` (the turbo FFI kernel, the Pallas one); the permute and
-unpermute are the turbo_moe.ops FFI calls. With `gate_up_swiglu` (`ops.grouped_gemm_swiglu` for the turbo GEMM)
-the forward gets h and act from one call: h's only reader is then the layer scan's residual stack, which XLA writes
-in place (with SwiGLU as an XLA fusion reading h too, it copied h there: 201 MB a layer at `reduced`), and the
-backward computes d_h and the combine weights' gradient in one pass over h and g W^T (`ops.swiglu_combine_grad`).
+unpermute are the turbo_moe.ops FFI calls. With `swiglu_kernels` (`gemms.SWIGLU_KERNELS`, for the turbo GEMM) the
+forward gets h and act from one call (`ops.grouped_gemm_swiglu`): h's only reader is then the layer scan's residual
+stack, which XLA writes in place (with SwiGLU as an XLA fusion reading h too, it copied h there: 201 MB a layer at
+`reduced`), and the backward computes d_h, the combine weights' gradient and w * act, the down weight gradient's lhs,
+in one pass over h and g W^T (`ops.swiglu_combine_grad`; the down GEMM's data gradient runs first, its weight
+gradient after). act * w is then the forward kernel's act times w; on the XLA path it is act computed again by XLA.
 Rounding: d_act is (g @ W^T) rounded, then times w (the pieces: (w g) rounded, then @ W^T); d_w sums act * G in
 float32 (the pieces: y * g). Both bf16-close, not bit-equal.
 """
@@ -39,11 +41,12 @@ from turbo_moe.ops.unpermute import unpermute_call
 
 
 def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array, weights: ExpertWeights,
-                 n_experts: int, gemm: GroupedGemm, gate_up_swiglu=None) -> tuple[jax.Array, jax.Array]:
+                 n_experts: int, gemm: GroupedGemm, swiglu_kernels=None) -> tuple[jax.Array, jax.Array]:
     """tokens (T, D), expert_ids (T, k) (ids outside [0, E) drop the copy), combine_w (T, k) float32 ->
     (y (T, D) = sum_j combine_w[t, j] * expert_{ids[t, j]}(tokens[t]), group_sizes (E,) int32).
 
-    gate_up_swiglu: None, or `(rows, w_gate_up, group_sizes) -> (h, SwiGLU(h))` in one call (forward only)."""
+    swiglu_kernels: None, or the GEMM's `gemms.SwigluKernels` (gate/up + SwiGLU in one call, the down GEMM's data
+    and weight gradients as separate calls)."""
     _checks.check_rank("tokens", tokens, 2, "(T, D)")
     _checks.float_dtype("tokens", tokens.dtype)
     _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
@@ -54,16 +57,16 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
     n_experts = _checks.static_int("n_experts", n_experts)
     ids = _checks.index_as_int32(expert_ids, n_experts)
     return _block(tokens, ids, combine_w.astype(jnp.float32), weights.w_gate_up, weights.w_down, n_experts, gemm,
-                  gate_up_swiglu)
+                  swiglu_kernels)
 
 
-def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, gate_up_swiglu):
+def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, swiglu_kernels):
     with jax.named_scope("permute"):
         rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts)[:3]
     group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
-    if gate_up_swiglu is not None:
+    if swiglu_kernels is not None:
         with jax.named_scope("grouped_gemm"):
-            h, act = gate_up_swiglu(rows, w_gate_up, group_sizes)  # (T*k, 2F), (T*k, F)
+            h, act = swiglu_kernels.gate_up_swiglu(rows, w_gate_up, group_sizes)  # (T*k, 2F), (T*k, F)
         # Named without `saved`'s barrier: h's one reader is its write into the scan's residual stack, which XLA's
         # dynamic-slice fusion then does in place, from inside the FFI call (no clone: act is the call's own output).
         h = checkpoint_name(h, EXPERT_SAVE_NAMES[1])
@@ -80,36 +83,41 @@ def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _block(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, gate_up_swiglu):
-    y, group_sizes, _ = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, gate_up_swiglu)
+def _block(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, swiglu_kernels):
+    y, group_sizes, _ = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, swiglu_kernels)
     return y, group_sizes
 
 
-def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, gate_up_swiglu):
+def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, swiglu_kernels):
     y, group_sizes, (h, row_index) = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm,
-                                              gate_up_swiglu)
+                                              swiglu_kernels)
     return (y, group_sizes), (tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index)
 
 
-def _block_bwd(n_experts, gemm, gate_up_swiglu, residuals, cotangents):
+def _block_bwd(n_experts, gemm, swiglu_kernels, residuals, cotangents):
     tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
-    act = swiglu_fused(h)  # not saved: XLA fuses it into the passes below that read it (act * w; with "xla" <act, g>)
     d_y = cotangents[0]  # (T, D); group_sizes are integers
     with jax.named_scope("unpermute"):
-        g_rows = permute_rows_call(d_y.astype(act.dtype), row_index, group_sizes)  # unweighted rows of g
+        g_rows = permute_rows_call(d_y.astype(h.dtype), row_index, group_sizes)  # unweighted rows of g
         # each row's combine weight (0 for rows no copy fills): one XLA scatter of T*k scalars (~2 us a layer; the
         # row-copy kernel spends a warp per 4-byte row)
         n = row_index.size
         rows_of_copies = jnp.where(row_index >= 0, row_index, n).reshape(-1)  # dropped copies -> out of range
         w_rows = jnp.zeros((n,), jnp.float32).at[rows_of_copies].set(combine_w.reshape(-1), mode="drop")[:, None]
-        act_w = (act.astype(jnp.float32) * w_rows).astype(act.dtype)
-    with jax.named_scope("grouped_gemm"):
-        _, down_vjp = jax.vjp(lambda a, w: gemm(a, w, group_sizes), act_w, w_down)
-        g_act, d_w_down = down_vjp(g_rows)  # g @ W^T (it does not depend on act_w) and (w act)^T @ g
-    if gate_up_swiglu is not None:  # the SwiGLU kernels (swiglu_impl="kernel"): one pass reads h and g_act once
+    if swiglu_kernels is not None:  # swiglu_impl="kernel": one pass over h and g_act gives d_h, d_w and w * act
+        with jax.named_scope("grouped_gemm"):
+            g_act = swiglu_kernels.data_grad(g_rows, w_down, group_sizes)  # g @ W^T
         with jax.named_scope("swiglu"):
-            d_h, d_w_rows = swiglu_combine_grad(h, g_act, w_rows[:, 0])
+            d_h, d_w_rows, act_w = swiglu_combine_grad(h, g_act, w_rows[:, 0])
+        with jax.named_scope("grouped_gemm"):
+            d_w_down = swiglu_kernels.weight_grad(act_w, g_rows, group_sizes).astype(w_down.dtype)  # (w act)^T @ g
     else:
+        act = swiglu_fused(h)  # not saved: XLA fuses it into the passes below that read it
+        with jax.named_scope("unpermute"):
+            act_w = (act.astype(jnp.float32) * w_rows).astype(act.dtype)
+        with jax.named_scope("grouped_gemm"):
+            _, down_vjp = jax.vjp(lambda a, w: gemm(a, w, group_sizes), act_w, w_down)
+            g_act, d_w_down = down_vjp(g_rows)  # g @ W^T (it does not depend on act_w) and (w act)^T @ g
         with jax.named_scope("unpermute"):
             d_w_rows = jnp.sum(act.astype(jnp.float32) * g_act.astype(jnp.float32), axis=-1)  # <y, g> per row
         with jax.named_scope("swiglu"):

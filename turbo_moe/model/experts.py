@@ -100,8 +100,13 @@ def expert_ffn(rows: jax.Array, weights: ExpertWeights, group_sizes: jax.Array |
 
 
 def routed_load(expert_ids: jax.Array, n_experts: int) -> jax.Array:
-    """(E,) float32 count of token copies per expert."""
-    return jnp.zeros((n_experts,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0)
+    """(E,) float32 count of token copies per expert (ids outside [0, E) count for none).
+
+    A row reduction of an (E, T*k) one-hot that XLA never materialises: one block per expert reads the ids from L2.
+    The scatter-add it replaces sent T*k atomic adds to E addresses: 32 us a layer at `reduced` (NOTES, call 97)."""
+    ids = expert_ids.reshape(1, -1)
+    experts = jnp.arange(n_experts, dtype=ids.dtype)[:, None]
+    return jnp.sum(ids == experts, axis=1, dtype=jnp.float32)
 
 
 class RoutedExperts(nnx.Module):

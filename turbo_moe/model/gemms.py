@@ -5,12 +5,16 @@
 - `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None.
 - `pallas`: jax's Pallas Mosaic-GPU `ragged_dot_mgpu` (`turbo_moe.ops.pallas_gemm`; Hopper only).
 
-`GATE_UP_SWIGLU[name]`: the GEMMs that also come as one call returning (h, act = SwiGLU(h)) for the gate/up weights.
+`SWIGLU_KERNELS[name]`: the GEMMs that the expert block's SwiGLU kernels (`swiglu_impl="kernel"`) pair with: the
+gate/up GEMM and SwiGLU as one call returning (h, act), and the down GEMM's data and weight gradients as separate
+calls (the weight gradient's lhs, act * w, comes out of `ops.swiglu_combine_grad`, which needs the data gradient).
 
 `require(name, moe_path)` raises at trace time when the devices cannot run a GEMM.
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +49,25 @@ def turbo_gate_up_swiglu(rows, w, group_sizes):
     return ops.grouped_gemm_swiglu(rows, w, group_sizes)  # (M, K) x (E, K, 2F) -> (M, 2F), (M, F)
 
 
-GATE_UP_SWIGLU = {"turbo": turbo_gate_up_swiglu}
+def turbo_data_grad(d_out, w, group_sizes):
+    from turbo_moe import ops
+
+    return ops.grouped_gemm(d_out, w, group_sizes, transpose_rhs=True)  # (M, N) x (E, K, N)^T -> (M, K)
+
+
+def turbo_weight_grad(lhs, d_out, group_sizes):
+    from turbo_moe import ops
+
+    return ops.grouped_gemm_weight_grad(lhs, d_out, group_sizes)  # (M, K), (M, N) -> (E, K, N)
+
+
+class SwigluKernels(NamedTuple):
+    gate_up_swiglu: Callable  # (rows, w_gate_up, group_sizes) -> (h, act = SwiGLU(h))
+    data_grad: Callable  # (d_out, w, group_sizes) -> d_out @ w[g]^T
+    weight_grad: Callable  # (lhs, d_out, group_sizes) -> lhs[rows_g]^T @ d_out[rows_g]
+
+
+SWIGLU_KERNELS = {"turbo": SwigluKernels(turbo_gate_up_swiglu, turbo_data_grad, turbo_weight_grad)}
 
 GEMMS: dict[str, GroupedGemm] = {
     "ragged_dot": ragged_dot_gemm,

@@ -23,7 +23,7 @@ from turbo_moe.model import exchanges
 from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
 from turbo_moe.model.exchanges import expert_capacity  # noqa: F401  (re-exported for accounting)
 from turbo_moe.model.experts import ExpertStats, ExpertWeights, expert_ffn, routed_load
-from turbo_moe.model.gemms import GATE_UP_SWIGLU, GEMMS, require
+from turbo_moe.model.gemms import GEMMS, SWIGLU_KERNELS, SwigluKernels, require
 from turbo_moe.model.router import Routing
 
 ONE_DEVICE = "one_device"  # the ep_exchange column of the rows used without expert parallelism
@@ -85,7 +85,7 @@ def run_exchange(exchange: exchanges.Exchange, gemm: str, x: jax.Array, expert_i
     """x (B, S, D), expert_ids / combine_w (B, S, k) -> (y (B, S, D), copies computed () int32)."""
     b, s, d = x.shape
     k = expert_ids.shape[-1]
-    fused = GATE_UP_SWIGLU.get(gemm) if swiglu_impl == "kernel" else None
+    fused = SWIGLU_KERNELS.get(gemm) if swiglu_impl == "kernel" else None
     ffn = ExpertFfn(weights, GEMMS[gemm], expert_backward == "block", fused)
     y, computed = exchange(x.reshape(b * s, d), expert_ids.reshape(b * s, k),
                            combine_w.reshape(b * s, k).astype(jnp.float32), n_experts, ffn)
@@ -99,7 +99,7 @@ class ExpertFfn(NamedTuple):
     weights: ExpertWeights
     gemm: Callable
     block: bool = False
-    gate_up_swiglu: Callable | None = None  # the block's gate/up GEMM + SwiGLU as one call (gemms.GATE_UP_SWIGLU)
+    swiglu_kernels: SwigluKernels | None = None  # the block's SwiGLU kernels' GEMM calls (gemms.SWIGLU_KERNELS)
 
     def __call__(self, rows, group_sizes):
         return expert_ffn(rows, self.weights, group_sizes, self.gemm)

@@ -2,7 +2,7 @@
 
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad;
   grouped_gemm_swiglu: the gate/up GEMM and SwiGLU of an expert FFN, both outputs from one call;
-  swiglu_combine_grad: SwiGLU's backward and the combine weights' gradient in one pass (no VJP of its own).
+  swiglu_combine_grad: SwiGLU's backward, the combine weights' gradient and act * w in one pass (no VJP of its own).
 - permute / unpermute: single-device dispatch/combine, each other's transposes; permute_rows: a permute's
   copy step again for new rows (its row index and group sizes known).
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.

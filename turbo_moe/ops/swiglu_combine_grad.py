@@ -4,7 +4,9 @@ For h (..., 2F) = [gate | up], g (..., F) (the down GEMM's data gradient of the 
 w (...) float32 (each row's combine weight):
   d_w[r] = sum_j act[r, j] * g[r, j]          act = silu(gate) * up in float32: the combine weight's gradient
   d_h[r] = SwiGLU's backward at h[r] for d_act = (w[r] * g[r]) rounded to h's dtype: the gate/up output's gradient
-One FFI call reads h and g once; as two XLA fusions (a row reduction and an elementwise pass) both were read twice.
+  act_w[r] = (act[r] rounded to h's dtype, as `grouped_gemm_swiglu` returns it) * w[r], rounded: the down weight
+             gradient's lhs, (w act)^T @ g
+One FFI call reads h and g once; as XLA fusions (a row reduction and two elementwise passes) h was read three times.
 A backward-pass building block: it has no VJP of its own.
 """
 from __future__ import annotations
@@ -17,7 +19,8 @@ from turbo_moe.ops._ffi import ffi_call
 
 
 def swiglu_combine_grad(h, g, w):
-    """h (..., 2F), g (..., F) of one float dtype, w (...) -> (d_h (..., 2F) like h, d_w (...) float32)."""
+    """h (..., 2F), g (..., F) of one float dtype, w (...) -> (d_h (..., 2F) like h, d_w (...) float32,
+    act_w (..., F) like g)."""
     _checks.float_dtype("h", h.dtype)
     if g.dtype != h.dtype:
         raise TypeError(f"g must have h's dtype {h.dtype}, got {g.dtype}")
@@ -28,5 +31,6 @@ def swiglu_combine_grad(h, g, w):
     if w.shape != h.shape[:-1]:
         raise ValueError(f"w must be (...) = {h.shape[:-1]} (one combine weight a row of h), got {w.shape}")
     return tuple(ffi_call("turbo_moe_swiglu_combine_grad",
-                          (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)),
+                          (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
+                           jax.ShapeDtypeStruct(g.shape, h.dtype)),
                           h, g, w.astype(jnp.float32)))
