@@ -2,8 +2,8 @@
 //   turbo_moe_grouped_gemm:             out[r] = lhs[r] @ rhs[g(r)]            (M,K) x (G,K,N)|(G,N,K) -> (M,N)
 //   turbo_moe_grouped_gemm_weight_grad: dw[g]  = lhs[rows_g]^T @ d_out[rows_g]  (M,K),(M,N) -> (G,K,N)
 // Same contract as kernels/cpu/grouped_gemm.cc. Group sizes stay on the device: a small kernel
-// turns them into clamped offsets in the call's workspace, the GEMM reads those, and rows past
-// sum(group_sizes) are zeroed on the device. The workspace is an extra result that Python sizes with
+// turns them into clamped offsets in the call's workspace (on Hopper, with the GEMM's arguments and the
+// zeros below), the GEMM reads those, and rows past sum(group_sizes) are zeroed on the device. The workspace is an extra result that Python sizes with
 // turbo_moe_grouped_gemm_workspace_bytes (below), not XLA scratch: scratch is per call, and a handler
 // that takes it cannot be recorded into XLA's command buffers (CUDA graphs). Hopper + bf16/f16 runs the CUTLASS wgmma kernels;
 // everything else (fp32, other GPUs, K or N not a multiple of 8) the portable kernels.
@@ -98,14 +98,13 @@ ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuf
   CallWorkspace s;
   if (auto err = carve_workspace(workspace, a, fast, false, device, "grouped_gemm", &s); err.failure()) return err;
   if (offsets) *offsets = s.offsets;
+  a.sizes = group_sizes.typed_data();
   a.offsets = s.offsets;
   a.tile_prefix = s.tile_prefix;
-  launch_group_offsets(group_sizes.typed_data(), a.batch, a.G, a.M, s.offsets, fast ? nullptr : s.tile_prefix,
-                       kSimtTileRows, stream);
-  ffi::Error err = fast ? launch_grouped_gemm_sm90(a, s.sm90, s.sm90_bytes, device, stream)
-                        : launch_grouped_gemm_simt(a, stream);
-  if (err.failure()) return err;
-  // Rows that belong to no group are defined as zero (never left uninitialised).
+  // Rows that belong to no group are defined as zero (never left uninitialised): the sm90 prologue zeroes them.
+  if (fast) return launch_grouped_gemm_sm90(a, s.sm90, s.sm90_bytes, device, stream);
+  launch_group_offsets(a.sizes, a.batch, a.G, a.M, s.offsets, s.tile_prefix, kSimtTileRows, stream);
+  if (ffi::Error err = launch_grouped_gemm_simt(a, stream); err.failure()) return err;
   launch_zero_tail_rows(a.out, a.batch, a.M, a.N * byte_width(a.out_type), s.offsets + a.G, a.G + 1, stream);
   return last_cuda_error("grouped_gemm");
 }
@@ -153,12 +152,12 @@ ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ff
   CallWorkspace s;
   if (auto err = carve_workspace(*workspace, a, fast, true, device, "grouped_gemm_weight_grad", &s); err.failure())
     return err;
+  a.sizes = group_sizes.typed_data();
   a.offsets = s.offsets;
   a.tile_prefix = s.tile_prefix;
-  launch_group_offsets(group_sizes.typed_data(), a.batch, a.G, a.M, s.offsets, nullptr, kSimtTileRows, stream);
-  ffi::Error err = fast ? launch_weight_grad_sm90(a, s.sm90, s.sm90_bytes, device, stream)
-                        : launch_weight_grad_simt(a, stream);
-  if (err.failure()) return err;
+  if (fast) return launch_weight_grad_sm90(a, s.sm90, s.sm90_bytes, device, stream);  // its prologue: the offsets
+  launch_group_offsets(a.sizes, a.batch, a.G, a.M, s.offsets, nullptr, kSimtTileRows, stream);
+  if (ffi::Error err = launch_weight_grad_simt(a, stream); err.failure()) return err;
   return last_cuda_error("grouped_gemm_weight_grad");
 }
 

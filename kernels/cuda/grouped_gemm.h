@@ -1,7 +1,8 @@
 // Launchers of the grouped GEMM kernels used by the FFI handlers in grouped_gemm.cu.
 //   forward:     out[r, :] = lhs[r, :] @ rhs[g(r)]        lhs (M, K), rhs (G, K, N) | (G, N, K)
 //   weight grad: dw[g] = lhs[rows_g, :]^T @ d_out[rows_g, :]   -> (G, K, N)
-// offsets / tile_prefix come from launch_group_offsets (device memory, batch * (G + 1) each).
+// offsets / tile_prefix (device memory, batch * (G + 1) each): the portable kernels read them from
+// launch_group_offsets; the Hopper launchers write offsets themselves from `sizes` (one prologue kernel).
 #pragma once
 
 #include "common.cuh"
@@ -15,7 +16,8 @@ struct GroupedGemmArgs {
   const void* lhs;
   const void* rhs;       // forward: weights; weight grad: d_out
   void* out;
-  const int32_t* offsets;      // [batch, G + 1]
+  const int32_t* sizes;        // [batch, G] group sizes (the Hopper launchers' input)
+  int32_t* offsets;            // [batch, G + 1] clamped group offsets
   const int32_t* tile_prefix;  // [batch, G + 1], forward SIMT kernel only
   int64_t batch, M, K, N, G;
   bool transpose_rhs;
@@ -27,7 +29,9 @@ ffi::Error launch_grouped_gemm_simt(const GroupedGemmArgs& a, cudaStream_t strea
 ffi::Error launch_weight_grad_simt(const GroupedGemmArgs& a, cudaStream_t stream);
 
 // Hopper kernels (CUTLASS 3 ptr-array grouped GEMM, wgmma + TMA). Only for bf16/f16 in and out,
-// K and N multiples of 8. Return false when this build or this case has no sm90 kernel.
+// K and N multiples of 8. Return false when this build or this case has no sm90 kernel. Each call is two
+// launches: a prologue (offsets from sizes, the GEMM's arguments, zeros for the rows / weight gradients
+// no group covers) and the GEMM.
 bool sm90_available();
 size_t sm90_scratch_bytes(const GroupedGemmArgs& a, bool weight_grad, int device);
 ffi::Error launch_grouped_gemm_sm90(const GroupedGemmArgs& a, void* scratch, size_t scratch_bytes,

@@ -16,6 +16,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "block_scan.cuh"
 #include "grouped_gemm.h"
 
 namespace turbo_moe::sm90 {
@@ -101,65 +102,124 @@ struct DeviceArgs {
   }
 };
 
-// Forward: problem i = (batch b, group g) is rows [offsets[g], offsets[g+1]) of lhs times rhs[b, g].
-// An empty group gets M = 0: the tile scheduler gives it no tiles.
-template <typename Cfg, typename Element, bool kTransposeRhs>
-__global__ void build_forward_args(const Element* lhs, const Element* rhs, Element* out,
-                                   const int32_t* offsets, int64_t M, int64_t K, int64_t N, int64_t G,
-                                   int64_t n, DeviceArgs<Cfg, Element> d) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const int64_t b = i / G, g = i % G;
-  const int64_t start = offsets[b * (G + 1) + g], rows = offsets[b * (G + 1) + g + 1] - start;
-  const int m = static_cast<int>(rows), k = static_cast<int>(K), nn = static_cast<int>(N);
-  d.shapes[i] = typename Cfg::Shape3(m, nn, k);
-  d.ptr_a[i] = lhs + (b * M + start) * K;
-  d.ptr_b[i] = rhs + (b * G + g) * K * N;
-  d.ptr_d[i] = out + (b * M + start) * N;
-  d.stride_a[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, make_shape(max(m, 1), k, 1));
-  d.stride_b[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, k, 1));
-  d.stride_d[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(max(m, 1), nn, 1));
-}
+constexpr int kPrologueThreads = 256;
 
-// Weight grad: problem i is (K x rows_g) @ (rows_g x N) with A = lhs[rows_g]^T (column-major view
-// of the row-major lhs) and B = d_out[rows_g]. Empty groups get M = 0 and are zeroed separately.
-template <typename Cfg, typename Element>
-__global__ void build_weight_grad_args(const Element* lhs, const Element* d_out, Element* dw,
-                                       const int32_t* offsets, int64_t M, int64_t K, int64_t N,
-                                       int64_t G, int64_t n, DeviceArgs<Cfg, Element> d) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const int64_t b = i / G, g = i % G;
-  const int32_t* off = offsets + b * (G + 1);
-  const int64_t start = off[g], rows = off[g + 1] - start;
-  // Problems go heaviest group first (slot = rank by rows, ties by index; the output stays dw[i]). Every
-  // tile of a problem runs its group's rows as the K loop, and the persistent scheduler deals tile t to
-  // CTA t mod grid: in input order, a CTA could draw several long tiles of heavy groups while others idle.
-  int64_t rank = 0;
-  for (int64_t h = 0; h < G; ++h) {
-    const int64_t other = off[h + 1] - off[h];
-    rank += other > rows || (other == rows && h < g);
+// Block b's clamped group offsets, a chunk of kPrologueThreads groups at a time: calls visit(g, start, rows) for
+// every group g (all threads of the block take part: it holds block barriers) and returns min(sum(sizes), M).
+template <typename Visit>
+__device__ int64_t scan_group_rows(const int32_t* sizes, int64_t G, int64_t M, Visit visit) {
+  __shared__ long long warp_sums[32];
+  long long carry = 0;
+  for (int64_t g0 = 0; g0 < G; g0 += blockDim.x) {
+    const int64_t g = g0 + threadIdx.x;
+    const long long size = g < G ? max(sizes[g], 0) : 0;
+    long long chunk_total;
+    const long long end = carry + block_inclusive_scan(size, warp_sums, &chunk_total);
+    const long long start = min(end - size, static_cast<long long>(M)), stop = min(end, static_cast<long long>(M));
+    visit(g, static_cast<int64_t>(start), static_cast<int64_t>(stop - start));
+    carry += chunk_total;
   }
-  const int64_t slot = b * G + rank;
-  const int r = static_cast<int>(rows), k = static_cast<int>(K), nn = static_cast<int>(N);
-  d.shapes[slot] = typename Cfg::Shape3(r > 0 ? k : 0, nn, max(r, 1));
-  d.ptr_a[slot] = lhs + (b * M + start) * K;
-  d.ptr_b[slot] = d_out + (b * M + start) * N;
-  d.ptr_d[slot] = dw + i * K * N;
-  d.stride_a[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, make_shape(k, max(r, 1), 1));
-  d.stride_b[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, max(r, 1), 1));
-  d.stride_d[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(k, nn, 1));
+  return min(carry, static_cast<long long>(M));
 }
 
-// Zeroes dw[i] (K*N elements) of every problem i whose group is empty.
-static __global__ void zero_empty_groups(char* dw, const int32_t* offsets, int64_t G, int64_t group_bytes) {
-  const int64_t i = blockIdx.y, b = i / G, g = i % G;
-  if (offsets[b * (G + 1) + g + 1] > offsets[b * (G + 1) + g]) return;
-  uint4* base = reinterpret_cast<uint4*>(dw + i * group_bytes);  // group_bytes % 16 == 0
-  const int64_t vectors = group_bytes / 16;
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors;
-       v += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    base[v] = make_uint4(0, 0, 0, 0);
+// Zeroes bytes [begin, end) of `base` (both multiples of 16, base 16-aligned) with `blocks` blocks, this one `rank`.
+static __device__ void zero_span(char* base, int64_t begin, int64_t end, int64_t rank, int64_t blocks) {
+  uint4* v = reinterpret_cast<uint4*>(base + begin);
+  const int64_t n = (end - begin) / 16;
+  for (int64_t i = rank * blockDim.x + threadIdx.x; i < n; i += blocks * blockDim.x) v[i] = make_uint4(0, 0, 0, 0);
+}
+
+// Forward prologue, grid (1 + Z, batch). Block (0, b) writes batch b's offsets and the GEMM's arguments: problem
+// i = (b, g) is rows [offsets[g], offsets[g+1]) of lhs times rhs[b, g]; an empty group gets M = 0 (no tiles).
+// Blocks (1.., b) zero out's rows past the groups, which the GEMM does not write. One launch instead of three
+// (offsets, arguments, tail): each was a ~2 us kernel, ~200 of them a `reduced` step (NOTES, issue 14).
+template <typename Cfg, typename Element, bool kTransposeRhs>
+__global__ void __launch_bounds__(kPrologueThreads)
+    forward_prologue(const int32_t* sizes, int32_t* offsets, const Element* lhs, const Element* rhs, Element* out,
+                     int64_t M, int64_t K, int64_t N, int64_t G, DeviceArgs<Cfg, Element> d) {
+  const int64_t b = blockIdx.y;
+  int32_t* off = offsets + b * (G + 1);
+  if (blockIdx.x == 0) {
+    const int64_t total = scan_group_rows(sizes + b * G, G, M, [&](int64_t g, int64_t start, int64_t rows) {
+      if (g >= G) return;
+      off[g] = static_cast<int32_t>(start);
+      const int64_t i = b * G + g;
+      const int m = static_cast<int>(rows), k = static_cast<int>(K), nn = static_cast<int>(N);
+      d.shapes[i] = typename Cfg::Shape3(m, nn, k);
+      d.ptr_a[i] = lhs + (b * M + start) * K;
+      d.ptr_b[i] = rhs + i * K * N;
+      d.ptr_d[i] = out + (b * M + start) * N;
+      d.stride_a[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, make_shape(max(m, 1), k, 1));
+      d.stride_b[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, k, 1));
+      d.stride_d[i] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(max(m, 1), nn, 1));
+    });
+    if (threadIdx.x == 0) off[G] = static_cast<int32_t>(total);
+  } else {
+    const int64_t total = scan_group_rows(sizes + b * G, G, M, [](int64_t, int64_t, int64_t) {});
+    const int64_t row_bytes = N * static_cast<int64_t>(sizeof(Element));  // N % 8 == 0: a multiple of 16
+    zero_span(reinterpret_cast<char*>(out + b * M * N), total * row_bytes, M * row_bytes, blockIdx.x - 1,
+              gridDim.x - 1);
+  }
+}
+
+// Weight-grad prologue, grid (1 + Z, batch). Block (0, b): offsets, then the arguments of problem i = (b, g), (K x
+// rows_g) @ (rows_g x N) with A = lhs[rows_g]^T (column-major view of the row-major lhs) and B = d_out[rows_g]; an
+// empty group gets M = 0. Blocks (1.., b) zero dw[b, g] of every empty group, which the GEMM does not write.
+template <typename Cfg, typename Element>
+__global__ void __launch_bounds__(kPrologueThreads)
+    weight_grad_prologue(const int32_t* sizes, int32_t* offsets, const Element* lhs, const Element* d_out,
+                         Element* dw, int64_t M, int64_t K, int64_t N, int64_t G, DeviceArgs<Cfg, Element> d) {
+  const int64_t b = blockIdx.y;
+  int32_t* off = offsets + b * (G + 1);
+  if (blockIdx.x == 0) {
+    const int64_t total = scan_group_rows(sizes + b * G, G, M, [&](int64_t g, int64_t start, int64_t) {
+      if (g < G) off[g] = static_cast<int32_t>(start);
+    });
+    if (threadIdx.x == 0) off[G] = static_cast<int32_t>(total);
+    __syncthreads();  // the whole table, written by this block, before the ranks below read it
+    for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+      const int64_t start = off[g], rows = off[g + 1] - start;
+      // Problems go heaviest group first (slot = rank by rows, ties by index; the output stays dw[i]). Every tile
+      // of a problem runs its group's rows as the K loop, and the persistent scheduler deals tile t to CTA t mod
+      // grid: in input order, a CTA could draw several long tiles of heavy groups while others idle.
+      int64_t rank = 0;
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t other = off[h + 1] - off[h];
+        rank += other > rows || (other == rows && h < g);
+      }
+      const int64_t slot = b * G + rank, i = b * G + g;
+      const int r = static_cast<int>(rows), k = static_cast<int>(K), nn = static_cast<int>(N);
+      d.shapes[slot] = typename Cfg::Shape3(r > 0 ? k : 0, nn, max(r, 1));
+      d.ptr_a[slot] = lhs + (b * M + start) * K;
+      d.ptr_b[slot] = d_out + (b * M + start) * N;
+      d.ptr_d[slot] = dw + i * K * N;
+      d.stride_a[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, make_shape(k, max(r, 1), 1));
+      d.stride_b[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, max(r, 1), 1));
+      d.stride_d[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(k, nn, 1));
+    }
+  } else {
+    __shared__ int32_t empty[kPrologueThreads];
+    __shared__ int n_empty;
+    const int64_t group_bytes = K * N * static_cast<int64_t>(sizeof(Element));  // N % 8 == 0: a multiple of 16
+    const int32_t* sz = sizes + b * G;
+    long long carry = 0;
+    __shared__ long long warp_sums[32];
+    for (int64_t g0 = 0; g0 < G; g0 += blockDim.x) {  // a chunk's empty groups, listed, then zeroed together
+      if (threadIdx.x == 0) n_empty = 0;
+      const int64_t g = g0 + threadIdx.x;
+      const long long size = g < G ? max(sz[g], 0) : 0;
+      long long chunk_total;
+      const long long end = carry + block_inclusive_scan(size, warp_sums, &chunk_total);  // holds barriers
+      if (g < G && min(end - size, static_cast<long long>(M)) == min(end, static_cast<long long>(M)))
+        empty[atomicAdd(&n_empty, 1)] = static_cast<int32_t>(g);
+      carry += chunk_total;
+      __syncthreads();
+      for (int e = 0; e < n_empty; ++e)
+        zero_span(reinterpret_cast<char*>(dw) + (b * G + empty[e]) * group_bytes, 0, group_bytes, blockIdx.x - 1,
+                  gridDim.x - 1);
+      __syncthreads();  // n_empty and empty[] are reused by the next chunk
+    }
+  }
 }
 
 template <typename Cfg, typename Element>
@@ -225,11 +285,17 @@ ffi::Error forward(const GroupedGemmArgs& a, void* scratch, size_t scratch_size,
   using LayoutB = std::conditional_t<kTransposeRhs, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using Cfg = Config<Element, cutlass::layout::RowMajor, LayoutB, Schedule>;
   const int64_t n = a.batch * a.G;
+  if (a.batch > 65535) return invalid("grouped_gemm (sm90): at most 65535 leading batch problems");
   ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
   auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
-  build_forward_args<Cfg, Element, kTransposeRhs><<<static_cast<unsigned>(ceil_div(n, 128)), 128, 0, stream>>>(
-      static_cast<const Element*>(a.lhs), static_cast<const Element*>(a.rhs), static_cast<Element*>(a.out),
-      a.offsets, a.M, a.K, a.N, a.G, n, d);
+  // Zero blocks sized for the whole output (a tail can be most of it: worst-case EP buffers); with no tail
+  // (the one-device dropless path) each only sums the sizes.
+  const int64_t zero_blocks = std::min<int64_t>(ceil_div(a.M * a.N * static_cast<int64_t>(sizeof(Element)), 16 * 256 * 4),
+                                                2 * sm_count(device));
+  forward_prologue<Cfg, Element, kTransposeRhs>
+      <<<dim3(static_cast<unsigned>(1 + zero_blocks), static_cast<unsigned>(a.batch)), kPrologueThreads, 0, stream>>>(
+          a.sizes, a.offsets, static_cast<const Element*>(a.lhs), static_cast<const Element*>(a.rhs),
+          static_cast<Element*>(a.out), a.M, a.K, a.N, a.G, d);
   return run_gemm<Cfg, Element>(d, n, arena, device, stream, "grouped_gemm (sm90)");
 }
 
@@ -239,15 +305,16 @@ ffi::Error weight_grad(const GroupedGemmArgs& a, void* scratch, size_t scratch_s
   // A = lhs^T is (K x rows) with K contiguous: column-major; B = d_out rows, N contiguous.
   using Cfg = Config<Element, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Schedule>;
   const int64_t n = a.batch * a.G;
+  if (a.batch > 65535) return invalid("grouped_gemm_weight_grad (sm90): at most 65535 leading batch problems");
   ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
   auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
-  build_weight_grad_args<Cfg, Element><<<static_cast<unsigned>(ceil_div(n, 128)), 128, 0, stream>>>(
-      static_cast<const Element*>(a.lhs), static_cast<const Element*>(a.rhs), static_cast<Element*>(a.out),
-      a.offsets, a.M, a.K, a.N, a.G, n, d);
+  // Zero blocks for one group's weights (empty groups are zeroed one after another; none is the common case).
   const int64_t group_bytes = a.K * a.N * static_cast<int64_t>(sizeof(Element));
-  dim3 grid(static_cast<unsigned>(std::min<int64_t>(64, ceil_div(group_bytes, 16 * 256 * 4))),
-            static_cast<unsigned>(n));
-  zero_empty_groups<<<grid, 256, 0, stream>>>(static_cast<char*>(a.out), a.offsets, a.G, group_bytes);
+  const int64_t zero_blocks = std::min<int64_t>(ceil_div(group_bytes, 16 * 256 * 4), 2 * sm_count(device));
+  weight_grad_prologue<Cfg, Element>
+      <<<dim3(static_cast<unsigned>(1 + zero_blocks), static_cast<unsigned>(a.batch)), kPrologueThreads, 0, stream>>>(
+          a.sizes, a.offsets, static_cast<const Element*>(a.lhs), static_cast<const Element*>(a.rhs),
+          static_cast<Element*>(a.out), a.M, a.K, a.N, a.G, d);
   return run_gemm<Cfg, Element>(d, n, arena, device, stream, "grouped_gemm_weight_grad (sm90)");
 }
 

@@ -35,6 +35,8 @@ GEMM_CASES = {
     "sum_below_m": (1000, 128, 64, [300, 0, 250, 150]),
     "negative_and_overflow": (1000, 96, 136, [-5, 600, 700, 3]),
     "many_small_groups": (4096, 128, 128, None),  # 256 random groups, some empty
+    # more groups than the Hopper prologue's 256 threads scan at once, some empty, rows past them all
+    "more_groups_than_a_block": (3000, 64, 64, 600),
     # odd counts of 256-wide N tiles take the cluster-free Hopper instance (grouped_gemm_sm90.cuh); the
     # last case has K = 512 (the `reduced` down product) and odd counts of 128-row M tiles
     "five_n_tiles": (3000, 136, 1280, [1000, 0, 1536, 464]),
@@ -63,7 +65,12 @@ def device_put(*arrays):
 
 def gemm_inputs(rng, case, dtype, transpose_rhs):
     M, K, N, sizes = GEMM_CASES[case]
-    sizes = random_sizes(rng, 256, M) if sizes is None else np.asarray(sizes, np.int32)
+    if sizes is None:
+        sizes = random_sizes(rng, 256, M)
+    elif isinstance(sizes, int):  # that many random groups over all rows but 200
+        sizes = random_sizes(rng, sizes, M - 200)
+    else:
+        sizes = np.asarray(sizes, np.int32)
     G = len(sizes)
     lhs = jnp.asarray(rng.standard_normal((M, K)), dtype)
     rhs_shape = (G, N, K) if transpose_rhs else (G, K, N)
@@ -139,17 +146,25 @@ def test_large_m_bf16():
     assert rel_err(dw, ref.weight_grad(lhs.astype(jnp.float32), d_out.astype(jnp.float32), sizes)) < 1e-2
 
 
-def test_grouped_gemm_vmap_matches_loop():
+def test_grouped_gemm_and_weight_grad_vmap_match_loop():
     rng = np.random.default_rng()
     B, M, K, N, G = 3, 384, 64, 96, 5
     lhs = jnp.asarray(rng.standard_normal((B, M, K)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((B, G, K, N)) / 8, jnp.bfloat16)
-    sizes = jnp.asarray(np.stack([random_sizes(rng, G, M - 50) for _ in range(B)]))
-    lhs, rhs, sizes = device_put(lhs, rhs, sizes)
+    sizes = np.stack([random_sizes(rng, G, M - 50) for _ in range(B)])
+    sizes[:, 2] = 0  # an empty group in every batch element: its weight gradient must be zeros
+    d_out = jnp.asarray(rng.standard_normal((B, M, N)), jnp.bfloat16)
+    lhs, rhs, sizes, d_out = device_put(lhs, rhs, jnp.asarray(sizes), d_out)
     batched = jax.jit(jax.vmap(ops.grouped_gemm))(lhs, rhs, sizes)
+    dw = jax.jit(jax.vmap(ops.grouped_gemm_weight_grad))(lhs, d_out, sizes)
     for b in range(B):
         expect = ref.grouped_gemm(lhs[b].astype(jnp.float32), rhs[b].astype(jnp.float32), np.asarray(sizes[b]))
         assert rel_err(batched[b], expect) < 1e-2
+        tail = int(np.asarray(sizes[b]).sum())
+        assert np.all(np.asarray(batched[b, tail:], np.float32) == 0), "rows past the groups must be 0"
+        expect_dw = ref.weight_grad(lhs[b].astype(jnp.float32), d_out[b].astype(jnp.float32), np.asarray(sizes[b]))
+        assert rel_err(dw[b], expect_dw) < 1e-2
+        assert np.all(np.asarray(dw[b, 2], np.float32) == 0)
 
 
 def random_ids(rng, T, k, E, dropped_fraction=0.05):
