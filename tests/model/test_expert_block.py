@@ -115,6 +115,19 @@ def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes(swigl
     assert temp(compiled) < 0.85 * temp(ref_compiled), (temp(compiled), temp(ref_compiled))
 
 
+def test_auto_takes_the_kernels_on_gpus_only(monkeypatch):
+    from turbo_moe.model import gemms
+
+    assert get_config("tiny").swiglu_impl == "auto"
+    assert gemms.swiglu_kernels("turbo", "kernel") is SWIGLU_KERNELS["turbo"]
+    assert gemms.swiglu_kernels("turbo", "xla") is None and gemms.swiglu_kernels("ragged_dot", "kernel") is None
+    assert gemms.swiglu_kernels("turbo", "auto") is (SWIGLU_KERNELS["turbo"] if jax.default_backend() == "gpu" else None)
+    monkeypatch.setattr(gemms.jax, "default_backend", lambda: "gpu")
+    assert gemms.swiglu_kernels("turbo", "auto") is SWIGLU_KERNELS["turbo"]
+    monkeypatch.setattr(gemms.jax, "default_backend", lambda: "cpu")
+    assert gemms.swiglu_kernels("turbo", "auto") is None
+
+
 def test_bad_expert_backward_and_shapes():
     with pytest.raises(ValueError, match="expert_backward.*'fused'.*expected one of"):
         get_config("tiny", expert_backward="fused")

@@ -51,8 +51,8 @@ def test_policy_keeps_loss_and_grads(path):
 @requires_turbo
 @pytest.mark.parametrize("expert_backward, rebuilt", [("autodiff", 4), ("block", 2)])
 def test_policy_does_not_run_the_expert_gemms_again(expert_backward, rebuilt):
-    # forward + data gradient use the same FFI target (the block's gate/up forward the fused one with SwiGLU,
-    # ModelConfig.swiglu_impl="kernel"); the weight gradient has its own
+    # forward + data gradient use the same FFI target (with ModelConfig.swiglu_impl="kernel" the block's gate/up
+    # forward is the fused one with SwiGLU; "auto" takes it on GPUs only); the weight gradient has its own
     gemm_calls = lambda hlo: len(re.findall(r'custom_call_target="turbo_moe_grouped_gemm(_swiglu)?"', hlo))
     counts = {policy: gemm_calls(compiled_hlo(micro_config(moe_path="turbo", remat_policy=policy,
                                                            expert_backward=expert_backward)))

@@ -21,7 +21,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_unpadded")  # turbo_moe/model/
 ROUTER_TOPK_IMPLS = ("xla", "kernel")
 EMBEDDING_GRADS = ("scatter", "matmul", "segment")  # turbo_moe/model/embedding.py
 EXPERT_BACKWARDS = ("autodiff", "block")  # turbo_moe/model/expert_block.py
-SWIGLU_IMPLS = ("kernel", "xla")  # turbo_moe/ops/grouped_gemm_swiglu.py
+SWIGLU_IMPLS = ("auto", "kernel", "xla")  # turbo_moe/model/gemms.py: swiglu_kernels
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
 LOGITS_DTYPES = ("float32", "bfloat16")
@@ -183,9 +183,11 @@ class ModelConfig:
     # The expert block's SwiGLU (the turbo GEMM with expert_backward "block"): "kernel" (forward:
     # turbo_moe.ops.grouped_gemm_swiglu, one FFI call returns h and act, so h's only reader is the layer scan's
     # residual stack, which XLA then writes in place instead of copying h there; backward: ops.swiglu_combine_grad,
-    # d_h and the combine weights' gradient in one pass) or "xla" (SwiGLU and its backward as XLA fusions). Other
-    # GEMMs and the autodiff backward always take "xla".
-    swiglu_impl: str = "kernel"
+    # d_h, the combine weights' gradient and act * w in one pass), "xla" (SwiGLU and its backward as XLA fusions),
+    # or "auto": "kernel" on GPUs, "xla" elsewhere (the in-place write is a GPU win; XLA:CPU's vectorised fusions
+    # beat the CPU handlers' scalar exp by ~6% a `small` step: NOTES, issue 14). Other GEMMs and the autodiff
+    # backward always take "xla".
+    swiglu_impl: str = "auto"
 
     def __post_init__(self):
         _validate(self)

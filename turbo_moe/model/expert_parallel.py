@@ -74,7 +74,7 @@ def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
 
 def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacity_factor: float = 1.25,
                 ep_exchange: str = "deepep", ep_capacity_factor: float = 0.0, exchange_impl: str | None = None,
-                expert_backward: str = "block", swiglu_impl: str = "kernel"):
+                expert_backward: str = "block", swiglu_impl: str = "auto"):
     """A MoE path `(x (B, S, D), routing, weights) -> (y, ExpertStats)` running expert-parallel.
 
     mesh: a Mesh with an `expert_axis` (None: the ambient mesh of `jax.set_mesh`). B must divide by

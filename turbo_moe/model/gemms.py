@@ -69,6 +69,14 @@ class SwigluKernels(NamedTuple):
 
 SWIGLU_KERNELS = {"turbo": SwigluKernels(turbo_gate_up_swiglu, turbo_data_grad, turbo_weight_grad)}
 
+
+def swiglu_kernels(gemm: str, swiglu_impl: str) -> SwigluKernels | None:
+    """The SwiGLU kernels `ModelConfig.swiglu_impl` asks of GEMM `gemm`, or None (XLA's SwiGLU): "kernel" where the GEMM
+    has them, "auto" only on GPUs too (decided at trace time, like attention_impl "cudnn_unpadded")."""
+    if swiglu_impl == "kernel" or (swiglu_impl == "auto" and jax.default_backend() == "gpu"):
+        return SWIGLU_KERNELS.get(gemm)
+    return None
+
 GEMMS: dict[str, GroupedGemm] = {
     "ragged_dot": ragged_dot_gemm,
     "turbo": turbo_gemm,

@@ -23,7 +23,7 @@ from turbo_moe.model import exchanges
 from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
 from turbo_moe.model.exchanges import expert_capacity  # noqa: F401  (re-exported for accounting)
 from turbo_moe.model.experts import ExpertStats, ExpertWeights, expert_ffn, routed_load
-from turbo_moe.model.gemms import GEMMS, SWIGLU_KERNELS, SwigluKernels, require
+from turbo_moe.model.gemms import GEMMS, SwigluKernels, require, swiglu_kernels
 from turbo_moe.model.router import Routing
 
 ONE_DEVICE = "one_device"  # the ep_exchange column of the rows used without expert parallelism
@@ -81,11 +81,11 @@ def build_exchange(row: PathRow, **params) -> exchanges.Exchange:
 
 def run_exchange(exchange: exchanges.Exchange, gemm: str, x: jax.Array, expert_ids: jax.Array,
                  combine_w: jax.Array, weights: ExpertWeights, n_experts: int,
-                 expert_backward: str = "block", swiglu_impl: str = "kernel") -> tuple[jax.Array, jax.Array]:
+                 expert_backward: str = "block", swiglu_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """x (B, S, D), expert_ids / combine_w (B, S, k) -> (y (B, S, D), copies computed () int32)."""
     b, s, d = x.shape
     k = expert_ids.shape[-1]
-    fused = SWIGLU_KERNELS.get(gemm) if swiglu_impl == "kernel" else None
+    fused = swiglu_kernels(gemm, swiglu_impl)
     ffn = ExpertFfn(weights, GEMMS[gemm], expert_backward == "block", fused)
     y, computed = exchange(x.reshape(b * s, d), expert_ids.reshape(b * s, k),
                            combine_w.reshape(b * s, k).astype(jnp.float32), n_experts, ffn)
@@ -109,7 +109,7 @@ MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, Expert
 
 
 def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "block",
-                swiglu_impl: str = "kernel") -> MoEPath:
+                swiglu_impl: str = "auto") -> MoEPath:
     """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`; `expert_backward`,
     `swiglu_impl`: `ModelConfig`'s (paths with the permute exchange)."""
     row = path_row(moe_path)
