@@ -5,6 +5,11 @@ throughput, the router's regime over the timed steps, measured vs predicted memo
     python benchmarks/runs_table.py experiments/results/full_deepseek_h200 \\
         --csv experiments/results/full_deepseek_h200.csv --figure experiments/figures/full_deepseek_h200.png
 
+Switches are the run's own: the record's provenance holds its TrainConfig and ModelConfig as resolved when it ran
+(`config`, `model_config`); a record without them gives what its config set explicitly. A switch found in neither
+(a record older than the switch) is left empty and named in `switches_not_recorded`: today's default may not be what
+that run did.
+
 Measured memory is XLA's buffer assignment of the compiled train step (`compiled_total_bytes`): the
 process-wide peak counter (`peak_memory_bytes`) never resets, so after the first run of a process it
 reports the largest run so far. Predicted memory is `accounting.memory_prediction` of the run's config.
@@ -22,14 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import write_csv  # noqa: E402
 
 GIB = 2**30
-SWITCHES = ("remat_policy", "adam_mu_dtype", "adam_nu_dtype", "cast_params_before_scan", "loss_chunk_tokens",
-            "param_dtype", "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth",
-            "router_center_causal", "router_seq_load_penalty")
+SWITCHES = ("remat_policy", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding", "cast_params_before_scan",
+            "cast_params_in_update", "scan_outputs_uninitialized", "loss_chunk_tokens", "logits_dtype", "param_dtype",
+            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_center_causal",
+            "router_seq_load_penalty", "router_topk_impl", "attention_impl", "expert_backward", "swiglu_impl",
+            "embedding_grad")
 
 
-_SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "adam_nu_dtype": "nu", "cast_params_before_scan": "cast",
-          "loss_chunk_tokens": "chunk", "param_dtype": "params", "router_center_causal": "center",
-          "router_seq_load_penalty": "seqload"}
+_SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "adam_nu_dtype": "nu", "adam_nu_rounding": "nu_round",
+          "cast_params_before_scan": "cast", "cast_params_in_update": "cast_update",
+          "scan_outputs_uninitialized": "uninit", "loss_chunk_tokens": "chunk", "logits_dtype": "logits",
+          "param_dtype": "params", "router_center_causal": "center", "router_seq_load_penalty": "seqload",
+          "router_topk_impl": "topk", "attention_impl": "attn", "expert_backward": "expert_bwd", "swiglu_impl": "swiglu",
+          "embedding_grad": "emb_grad"}
 
 
 def _switch_label(key: str, value) -> str:
@@ -64,18 +74,33 @@ def _predicted_gib(tc, cfg) -> float:
     return sum(pred.values()) / GIB
 
 
+def _as_run(config: dict, prov: dict) -> tuple[dict, list[str]]:
+    """The switches as the run resolved them (its provenance's ModelConfig, then TrainConfig; else what its config
+    set explicitly), and the switches the record does not hold."""
+    model, train = prov.get("model_config") or {}, prov.get("config") or {}
+    explicit = {**config, **(config.get("model_overrides") or {})}
+    found = {}
+    for k in SWITCHES:
+        for source in (model, train, explicit):
+            if k in source:
+                found[k] = source[k]
+                break
+    return found, [k for k in SWITCHES if k not in found]
+
+
 def row(record: dict, source: Path) -> dict:
     config, summary, prov = record["config"], record.get("summary") or {}, record.get("provenance") or {}
     tc, cfg = _resolved(config)
-    merged = {k: getattr(cfg, k) if hasattr(cfg, k) else getattr(tc, k, None) for k in SWITCHES}
-    merged["moe_path"] = cfg.moe_path
+    merged, not_recorded = _as_run(config, prov)
+    merged = {k: merged.get(k) for k in SWITCHES}
+    merged["moe_path"] = (prov.get("model_config") or {}).get("moe_path", cfg.moe_path)
     skip = int(config.get("skip_steps_for_tgs", 3))
     load, regime = _regime(record.get("history") or [], skip)
     measured = summary.get("compiled_total_bytes")
     predicted = _predicted_gib(tc, cfg)
     return {
         "run": f"{source.parent.name}/{source.stem}", "moe_path": merged.get("moe_path"), "model": config.get("model"),
-        **{k: merged.get(k) for k in SWITCHES},
+        **{k: merged.get(k) for k in SWITCHES}, "switches_not_recorded": " ".join(not_recorded),
         "per_device_batch": tc.per_device_batch, "seq_len": tc.seq_len,
         "status": record.get("status"), "error": (record.get("error") or "")[:200],
         "tgs": summary.get("tgs"), "mfu": summary.get("mfu"), "step_ms": 1e3 * summary["step_time_s"]

@@ -47,7 +47,8 @@ def test_row_resolves_defaults_and_compares_memory(runs_table, tmp_path):
     path.write_text(json.dumps(record))
     row = runs_table.row(record, path)
     assert row["run"] == "cuts/0_turbo" and row["moe_path"] == "turbo"
-    assert row["remat_policy"] == get_config("reduced").remat_policy  # the preset's, not None
+    # no resolved configs in this record's provenance: what its config set, the rest not recorded (not today's defaults)
+    assert row["remat_policy"] is None and "remat_policy" in row["switches_not_recorded"].split()
     assert row["adam_mu_dtype"] == "bfloat16" and row["step_ms"] == pytest.approx(175.0)
     expected = sum(memory_prediction(get_config("reduced", moe_path="turbo"), 8, 2048, adam_mu_dtype="bfloat16").values())
     assert row["predicted_gib"] == pytest.approx(expected / 2**30)
@@ -62,3 +63,21 @@ def test_row_resolves_defaults_and_compares_memory(runs_table, tmp_path):
     failed = {**_record([1.0] * 4, status="oom", measured=None), "history": []}
     oom = runs_table.row(failed, path)
     assert oom["measured_gib"] is None and math.isnan(oom["load_max_over_mean_timed"])
+
+
+def test_switches_are_the_runs_own_not_todays_defaults(runs_table, tmp_path):
+    from turbo_moe.model import get_config
+    from turbo_moe.train import TrainConfig
+
+    path = tmp_path / "old" / "0_turbo.json"
+    path.parent.mkdir()
+    record = _record([1.5] * 8)
+    # as an older run resolved them: swiglu_impl "xla" (today's default is "auto"); no logits_dtype field back then
+    model = {k: v for k, v in vars(get_config("reduced", moe_path="turbo", swiglu_impl="xla")).items()
+             if k != "logits_dtype"}
+    train = TrainConfig.from_dict({"progress": False, **record["config"]}).to_dict()
+    record["provenance"] = {**record["provenance"], "model_config": model, "config": train}
+    row = runs_table.row(record, path)
+    assert row["swiglu_impl"] == "xla" and row["remat_policy"] == get_config("reduced").remat_policy
+    assert row["adam_mu_dtype"] == "bfloat16" and row["adam_nu_rounding"] == train["adam_nu_rounding"]
+    assert row["logits_dtype"] is None and row["switches_not_recorded"] == "logits_dtype"
