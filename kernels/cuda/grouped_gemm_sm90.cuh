@@ -104,8 +104,9 @@ struct DeviceArgs {
 
 constexpr int kPrologueThreads = 256;
 
-// Block b's clamped group offsets, a chunk of kPrologueThreads groups at a time: calls visit(g, start, rows) for
-// every group g (all threads of the block take part: it holds block barriers) and returns min(sum(sizes), M).
+// Block b's clamped group offsets, a chunk of kPrologueThreads groups at a time: calls visit(g, start, rows) once a
+// chunk on every thread (g >= G past the last group; all threads take part, so visit may hold block barriers) and
+// returns min(sum(sizes), M).
 template <typename Visit>
 __device__ int64_t scan_group_rows(const int32_t* sizes, int64_t G, int64_t M, Visit visit) {
   __shared__ long long warp_sums[32];
@@ -197,28 +198,22 @@ __global__ void __launch_bounds__(kPrologueThreads)
       d.stride_b[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, make_shape(nn, max(r, 1), 1));
       d.stride_d[slot] = cutlass::make_cute_packed_stride(typename Cfg::StrideD{}, make_shape(k, nn, 1));
     }
-  } else {
+  } else {  // each chunk's empty groups listed, then zeroed by all the zero blocks together
     __shared__ int32_t empty[kPrologueThreads];
     __shared__ int n_empty;
     const int64_t group_bytes = K * N * static_cast<int64_t>(sizeof(Element));  // N % 8 == 0: a multiple of 16
-    const int32_t* sz = sizes + b * G;
-    long long carry = 0;
-    __shared__ long long warp_sums[32];
-    for (int64_t g0 = 0; g0 < G; g0 += blockDim.x) {  // a chunk's empty groups, listed, then zeroed together
-      if (threadIdx.x == 0) n_empty = 0;
-      const int64_t g = g0 + threadIdx.x;
-      const long long size = g < G ? max(sz[g], 0) : 0;
-      long long chunk_total;
-      const long long end = carry + block_inclusive_scan(size, warp_sums, &chunk_total);  // holds barriers
-      if (g < G && min(end - size, static_cast<long long>(M)) == min(end, static_cast<long long>(M)))
-        empty[atomicAdd(&n_empty, 1)] = static_cast<int32_t>(g);
-      carry += chunk_total;
+    if (threadIdx.x == 0) n_empty = 0;
+    __syncthreads();
+    scan_group_rows(sizes + b * G, G, M, [&](int64_t g, int64_t, int64_t rows) {
+      if (g < G && rows == 0) empty[atomicAdd(&n_empty, 1)] = static_cast<int32_t>(g);
       __syncthreads();
       for (int e = 0; e < n_empty; ++e)
         zero_span(reinterpret_cast<char*>(dw) + (b * G + empty[e]) * group_bytes, 0, group_bytes, blockIdx.x - 1,
                   gridDim.x - 1);
       __syncthreads();  // n_empty and empty[] are reused by the next chunk
-    }
+      if (threadIdx.x == 0) n_empty = 0;
+      __syncthreads();
+    });
   }
 }
 
