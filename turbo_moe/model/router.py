@@ -200,7 +200,7 @@ def kernel_expert_ids(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -
 
 
 class Router(nnx.Module):
-    """Gate projection (D -> E, float32 math) + the selection bias."""
+    """Gate projection (D -> E, float32 operands and sums; TF32 products on GPUs) + the selection bias."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -216,7 +216,9 @@ class Router(nnx.Module):
         return self.kernel[...].astype(jnp.float32) * self.cfg.router_lr_scale
 
     def __call__(self, x: jax.Array) -> Routing:
-        # The gate runs in float32: small score differences decide the routing.
+        # The gate's arithmetic is float32: small score differences decide the routing. On NVIDIA GPUs XLA's DEFAULT
+        # precision multiplies float32 operands in TF32 (10 mantissa bits): x, cast from bf16, is exact there, the gate
+        # kernel is rounded, the sums stay float32; on the CPU float32 throughout (NOTES, issue 14).
         gate = self.gate()
         logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), gate)
         scores = jax.nn.sigmoid(logits)
