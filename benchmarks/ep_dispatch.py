@@ -6,12 +6,14 @@ device (EP = device count):
   deepep_<layout>  turbo_moe.ops moe_dispatch + moe_combine (one row per token and destination rank) in
                each layout: dense (all_gather + reduce-scatter, no packing), packed (the pack kernel and
                all_to_alls of worst-case (P, T, H) buffers: the layout before issue 14), ragged (pack, then
-               only the real rows through ragged_all_to_all)
+               only the real rows through ragged_all_to_all); deepep_dense_all_to_all / _permute: the dense
+               layout with x moved by all_to_all or collective permutes (`dense_via`) instead of all_gather
   ragged_a2a   the ragged exchange of the `ragged` path there and back (jax.lax.ragged_all_to_all of the
                T*k copies sorted by expert; buffer P*T*k rows), each destination split in the default
                number of updates (64 in ragged_a2a_64chunks); ragged_a2a_1chunk: one update per destination
                (before issue 14)
   ag_rs_worst  all_gather there and reduce-scatter back of (T, H) per rank: the dense layout's collectives
+  permute_worst  P-1 collective permutes of (T, H) there and back: dense_via="permute"'s collectives
   a2a_real     a plain all_to_all there and back of a buffer holding exactly deepep's real rows
   a2a_ragged_real  the same for the ragged exchange's real rows (k copies per token)
   a2a_worst    a plain all_to_all there and back of deepep's worst-case (P, T, H) buffer
@@ -106,7 +108,8 @@ def compiled_ops(fn, args):
     text = compiled.as_text()
     seen = re.findall(r" ([a-z][a-z0-9-]*)\(", text)
     names = ("all-gather-start", "all-gather", "all-to-all", "reduce-scatter", "ragged-all-to-all",
-             "all-reduce-start", "all-reduce", "custom-call", "copy-start", "copy")
+             "all-reduce-start", "all-reduce", "collective-permute-start", "collective-permute", "custom-call",
+             "copy-start", "copy")
     return compiled, " ".join(f"{n}={seen.count(n)}" for n in names if seen.count(n))
 
 
@@ -143,10 +146,10 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
     row_bytes = h * 2  # bf16
     meta_bytes = k * 8  # ids int32 + weights f32 travel with each dispatched row
 
-    def deepep(layout):
+    def deepep(layout, via="all_gather"):
         def body(x, ids, w):
             rx, _, rw, handle = ops.moe_dispatch(x, ids, w, num_experts=e, axis_name="expert", layout=layout,
-                                                 impl=impl)
+                                                 impl=impl, dense_via=via)
             return ops.moe_combine(rx * rw.sum(-1, keepdims=True).astype(rx.dtype), handle, axis_name="expert")
         return body
 
@@ -164,6 +167,13 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
         back = jax.lax.all_to_all(there * jnp.asarray(0.5, buf.dtype), "expert", 0, 0)
         return back.reshape(buf.shape)
 
+    def permute_rt(x):  # the dense layout's collective permutes alone (dense_via="permute")
+        shifts = range(1, n_ranks)
+        perm = lambda s: [((r + s) % n_ranks, r) for r in range(n_ranks)]  # noqa: E731
+        there = [jax.lax.ppermute(x, "expert", perm(s)) for s in shifts]
+        back = [jax.lax.ppermute(b * jnp.asarray(0.5, x.dtype), "expert", perm(-s)) for s, b in zip(shifts, there)]
+        return sum(back[1:], back[0])
+
     def ag_rs(x):  # the dense layout's two collectives alone
         there = jax.lax.all_gather(x, "expert", tiled=True)  # (P*T, H)
         return jax.lax.psum_scatter(there * jnp.asarray(0.5, x.dtype), "expert", scatter_dimension=0, tiled=True)
@@ -179,10 +189,15 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
     meta = 2 * pairs * t * meta_bytes // 2  # ids/weights buffers of every layout: (P, T, k) per rank
     deepep_worst = 2 * pairs * t * row_bytes + meta
     # (name, fn, args, real bytes, bytes moved, env switches, inner): the old variants run fewer times
-    cases = [(f"deepep_{lay}", chained(mesh, deepep(lay), inner, 3), (x, ids, w), deepep_real,
-              deepep_worst if lay != "ragged" else 2 * deepep_rows * row_bytes + meta, {}, inner)
-             for lay in ("packed", "dense", "ragged")]  # packed first: the others are compared with it
+    # deepep_dense is dense_via="all_gather" (its name before the other two existed)
+    deepep_cases = {"deepep_packed": ("packed", "all_gather"), "deepep_dense": ("dense", "all_gather"),
+                    "deepep_dense_all_to_all": ("dense", "all_to_all"), "deepep_dense_permute": ("dense", "permute"),
+                    "deepep_ragged": ("ragged", "all_gather")}  # packed first: the others are compared with it
+    cases = [(name, chained(mesh, deepep(*how), inner, 3), (x, ids, w), deepep_real,
+              deepep_worst if how[0] != "ragged" else 2 * deepep_rows * row_bytes + meta, {}, inner)
+             for name, how in deepep_cases.items()]
     cases += [
+        ("permute_worst", chained(mesh, permute_rt, inner, 1), (x,), worst, worst, {}, inner),
         ("a2a_real", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(-(-deepep_rows // pairs)),), deepep_real,
          deepep_real, {}, inner),
         ("a2a_worst", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(t),), worst, worst, {}, inner),
@@ -204,7 +219,7 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
                 sec = timed(compiled, args, reps if n_inner == inner else 3, n_inner)
                 if name.startswith("deepep_"):  # one exchange round trip's result, to compare layouts
                     first_out[name] = np.asarray(jax.jit(jax.shard_map(
-                        deepep(name.split("_", 1)[1]), mesh=mesh, in_specs=(P("expert"),) * 3,
+                        deepep(*deepep_cases[name]), mesh=mesh, in_specs=(P("expert"),) * 3,
                         out_specs=P("expert")))(*args).astype(jnp.float32))
         except Exception as err:  # e.g. out of memory: record and go on
             print(f"{shape_name} {name}: failed: {type(err).__name__}: {str(err)[:200]}")
@@ -220,7 +235,8 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
         print(f"{shape_name:8s} {name:18s} {sec * 1e3:9.3f} ms  real {real / 1e6:9.1f} MB -> "
               f"{real / sec / 1e9:7.1f} GB/s   buffer {moved / 1e6:9.1f} MB  {ops_text}")
     by = {r["method"]: r for r in rows}
-    for ours, ref in (("deepep_dense", "a2a_real"), ("deepep_packed", "a2a_real"), ("deepep_ragged", "a2a_real"),
+    for ours, ref in (*((name, "a2a_real") for name in deepep_cases), ("permute_worst", "a2a_worst"),
+                      ("ag_rs_worst", "a2a_worst"),
                       ("ragged_a2a", "a2a_ragged_real"), ("ragged_a2a_64chunks", "a2a_ragged_real"),
                       ("ragged_a2a_1chunk", "a2a_ragged_real")):
         if ours in by and ref in by:
@@ -246,6 +262,8 @@ def layer_rows(mesh, shape_name, reps, impl):
     layout = lambda name: {"TURBO_MOE_DEEPEP_LAYOUT": name}  # noqa: E731
     cases = [("dense_cf", "deepep", {}), ("ragged", "ragged_all_to_all", {}),
              ("turbo", "deepep", layout("dense")), ("turbo", "deepep", layout("packed")),
+             ("turbo", "deepep", {**layout("dense"), "TURBO_MOE_DEEPEP_DENSE_VIA": "all_to_all"}),
+             ("turbo", "deepep", {**layout("dense"), "TURBO_MOE_DEEPEP_DENSE_VIA": "permute"}),
              ("turbo", "deepep", layout("ragged")), ("turbo", "ragged_all_to_all", {}),
              ("turbo", "ragged_all_to_all", {"TURBO_MOE_RAGGED_CHUNKS": 1})]
     if shape_name == "dsv3":  # XLA's ragged_dot and the dense_cf one-hot einsums (and 1 chunk) are far too slow
@@ -260,7 +278,7 @@ def layer_rows(mesh, shape_name, reps, impl):
             return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, experts)
 
         name = f"{path}/{exchange}" if path == "turbo" else path
-        name += "".join(f"[{v}]" if "LAYOUT" in key else f"[chunks={v}]" for key, v in switches.items())
+        name += "".join(f"[chunks={v}]" if "CHUNKS" in key else f"[{v}]" for key, v in switches.items())
         try:
             with env(**switches):  # read while tracing
                 compiled = jax.jit(step).lower(x, routing.weights, experts).compile()
@@ -292,7 +310,8 @@ def check_rows(mesh, impl):
                             jnp.asarray(rng.normal(size=(e, f, h)) / 6, jnp.float32))
     rows = []
     cases = [("dense_cf", "deepep", ""), ("ragged", "deepep", "")]
-    cases += [("turbo", "deepep", layout) for layout in ("dense", "packed", "ragged")]
+    cases += [("turbo", "deepep", layout) for layout in ("dense", "dense/all_to_all", "dense/permute", "packed",
+                                                          "ragged")]
     cases += [("turbo", "ragged_all_to_all", "")]
     for path, exchange, layout in cases:
         def loss_grads(fn):
@@ -302,7 +321,8 @@ def check_rows(mesh, impl):
         name = (f"{path}/{exchange}" if path == "turbo" else path) + (f"[{layout}]" if layout else "")
         try:
             ref = loss_grads(moe_path_fn(path, 1.25))
-            with env(TURBO_MOE_DEEPEP_LAYOUT=layout or "auto"):
+            lay, _, via = (layout or "auto").partition("/")
+            with env(TURBO_MOE_DEEPEP_LAYOUT=lay, TURBO_MOE_DEEPEP_DENSE_VIA=via or "all_gather"):
                 got = loss_grads(ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange,
                                              exchange_impl=impl))
         except Exception as err:  # record and go on to the timings

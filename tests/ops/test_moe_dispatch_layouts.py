@@ -11,7 +11,8 @@ from turbo_moe.ops import grouped_gemm, moe_combine, moe_dispatch, permute, unpe
 from turbo_moe.ops.ragged_exchange import ragged_exchange, split_updates
 
 H, F = 7, 5
-LAYOUTS = ("dense", "packed", "ragged")
+# "dense/<via>": the dense layout with x moved by another collective (turbo_moe.ops.dense_exchange)
+LAYOUTS = ("dense", "dense/all_to_all", "dense/permute", "packed", "ragged")
 
 
 def mesh_of(ranks):
@@ -22,9 +23,11 @@ def mesh_of(ranks):
 
 def ep_layer(ranks, num_experts, layout, capacity=None, dtype=jnp.float32):
     """Token-sharded MoE layer, experts sharded over `expert`: (out, overflow, counts, layout used)."""
+    layout, _, via = layout.partition("/")
+
     def layer(x, ids, w, W):
         rx, rids, rw, handle = moe_dispatch(x.astype(dtype), ids, w, num_experts=num_experts, axis_name="expert",
-                                            capacity=capacity, layout=layout)
+                                            capacity=capacity, layout=layout, dense_via=via or "all_gather")
         xs, sizes, ph = permute(rx, rids, num_experts // ranks)
         y = unpermute(grouped_gemm(xs, W.astype(dtype), sizes), ph, rw)
         return moe_combine(y, handle, axis_name="expert").astype(jnp.float32), handle.overflow, handle.counts
@@ -67,7 +70,9 @@ def test_layouts_match_one_device_and_each_other(ranks, routing):
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=layout)
         assert int(overflow.sum()) == 0, layout
         outs[layout] = (np.asarray(out), np.asarray(counts))
-    np.testing.assert_array_equal(outs["dense"][1], outs["packed"][1])  # same tokens counted as sent
+    for via in ("dense/all_to_all", "dense/permute"):  # same tokens counted as sent
+        np.testing.assert_array_equal(outs[via][1], outs["dense"][1])
+    np.testing.assert_array_equal(outs["dense"][1], outs["packed"][1])
     np.testing.assert_array_equal(outs["ragged"][1], outs["packed"][1])
     np.testing.assert_array_equal(outs["ragged"][0], outs["packed"][0])  # same rows, same sums
     if routing == "empty_rank":  # nothing reaches the last rank, and its tokens send nothing
@@ -104,13 +109,14 @@ def test_layouts_are_deterministic():
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_bfloat16_dense_sums_once(ranks):
-    """bf16: the dense combine (reduce-scatter at 2 ranks, all_to_all + float32 sum beyond) equals the
-    packed one (unpermute, float32) to rounding; both near the float64 result."""
+@pytest.mark.parametrize("dense", ["dense", "dense/all_to_all", "dense/permute"])
+def test_bfloat16_dense_sums_once(ranks, dense):
+    """bf16: the dense combine (reduce-scatter at 2 ranks, else a float32 sum of what all_to_all or the
+    permutes bring) equals the packed one (unpermute, float32) to rounding; both near the float64 result."""
     E, T, k = 2 * ranks, 16, 3
     x, ids, w, W = problem(8, ranks, T, k, E)
     ref = reference(x.astype(jnp.bfloat16), ids, w, W.astype(jnp.bfloat16))
-    dense = np.asarray(ep_layer(ranks, E, "dense", dtype=jnp.bfloat16)(x, ids, w, W)[0])
+    dense = np.asarray(ep_layer(ranks, E, dense, dtype=jnp.bfloat16)(x, ids, w, W)[0])
     packed = np.asarray(ep_layer(ranks, E, "packed", dtype=jnp.bfloat16)(x, ids, w, W)[0])
     np.testing.assert_allclose(dense, packed, rtol=1e-2, atol=1e-2)
     scale = np.linalg.norm(ref)
@@ -151,6 +157,8 @@ def test_auto_layout_and_bad_layouts_are_named():
         layout_of(capacity=2, layout="dense")
     with pytest.raises(ValueError, match="layout must be one of"):
         layout_of(layout="sparse")
+    with pytest.raises(ValueError, match="dense_via must be one of"):
+        layout_of(layout="dense", dense_via="broadcast")
 
 
 @pytest.mark.parametrize("n_chunks", [1, 3, 8])

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import make_varying, varying_axes
-from turbo_moe.ops.moe_dispatch import DispatchHandle, slot_rows, sum_blocks
+from turbo_moe.ops.dense_exchange import sum_blocks
+from turbo_moe.ops.moe_dispatch import DispatchHandle, slot_rows
 from turbo_moe.ops.permute import PermuteHandle
 from turbo_moe.ops.ragged_exchange import ragged_exchange
 from turbo_moe.ops.unpermute import unpermute
@@ -34,7 +35,7 @@ def moe_combine(y, handle: DispatchHandle, *, axis_name: str):
     if handle.layout == "dense":
         if C != T:
             raise ValueError(f"y must have P*T = {P * T} rows for a dense dispatch, got {y.shape}")
-        return sum_blocks(y, axis_name)  # (T, H): rows for other tokens' ranks are zero
+        return sum_blocks(y, axis_name, handle.dense_via)  # (T, H): rows for other tokens' ranks are zero
     if handle.layout == "ragged":
         back = ragged_exchange(y, handle.plan.reversed(), P * C, axis_name, handle.impl)  # real rows only
     else:

@@ -17,9 +17,10 @@ Receive buffers hold C = T slots per source rank (every token could go to every 
 Layouts (the results are the same; they differ in what crosses the wire and what runs around it):
 - "packed": a kernel packs each destination's tokens into (P, C, H) in token order; one all_to_all
   moves the whole buffer, full or not.
-- "dense" (C = T only): block p of the receive buffer is ALL of rank p's tokens in token order, so
-  no packing: an all_gather of x (the same bytes as the worst-case packed buffer) and of the ids
-  and weights; rows of tokens with no expert here carry id -1. The combine is a sum over ranks.
+- "dense" (C = T only): each block of the receive buffer is ALL of one rank's tokens in token order,
+  so no packing: x goes to every rank (the same bytes as the worst-case packed buffer; by all_gather,
+  all_to_all or collective permutes: `dense_via`, turbo_moe.ops.dense_exchange), the ids and weights
+  by one all_gather; rows of tokens with no expert here carry id -1. The combine is a sum over ranks.
 - "ragged": packed, but only the real rows of each destination cross (`ragged_all_to_all`, counts
   exchanged first by a (P,) all_to_all): fewer bytes when tokens reach few of the ranks (large P).
 - "auto": packed for P <= PACKED_MAX_RANKS (a token reaches 1 - (1 - 1/P)^k of the ranks: nearly all,
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call, match_varying
+from turbo_moe.ops.dense_exchange import DEFAULT_DENSE_VIA, check_via, dispatch_dense
 from turbo_moe.ops.ragged_exchange import ExchangePlan, default_impl, ragged_exchange
 from turbo_moe.ops.unpermute import unpermute_call
 
@@ -45,13 +47,14 @@ PACKED_MAX_RANKS = 4  # top-8 at P=4: 90% of (token, remote rank) pairs are real
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("slot", "counts", "overflow", "plan"),
-                   meta_fields=("layout", "impl"))
+                   meta_fields=("layout", "impl", "dense_via"))
 @dataclasses.dataclass(frozen=True)
 class DispatchHandle:
     """What `moe_combine` needs. slot int32 (T, P): the row of token t in rank p's block, or -1.
     counts int32 (P,): tokens sent to each rank; overflow int32 (P,): tokens that did not fit.
     plan: the ragged layout's ExchangePlan (None otherwise); layout: the one the dispatch used;
-    impl: the ragged collective ("native" | "emulated") the combine must use too."""
+    impl: the ragged collective ("native" | "emulated") the combine must use too;
+    dense_via: the dense layout's collectives (turbo_moe.ops.dense_exchange), the combine's too."""
 
     slot: jax.Array
     counts: jax.Array
@@ -59,6 +62,7 @@ class DispatchHandle:
     plan: object = None
     layout: str = "packed"
     impl: str | None = None
+    dense_via: str = DEFAULT_DENSE_VIA
 
 
 def slot_rows(slot, capacity: int):
@@ -79,7 +83,7 @@ def resolve_layout(layout: str, n_ranks: int, tokens: int, capacity: int) -> str
 
 
 def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, capacity: int | None = None,
-                 layout: str = "auto", impl: str | None = None):
+                 layout: str = "auto", impl: str | None = None, dense_via: str = DEFAULT_DENSE_VIA):
     """Sends each token to the ranks owning its experts (see the module docstring for the layouts).
 
     Args:
@@ -88,6 +92,8 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
       capacity: slots per destination rank (default T: the worst case, nothing can overflow).
       layout: "auto" | "dense" | "packed" | "ragged".  impl: the ragged layout's collective,
         "native" or "emulated" (XLA:CPU has no ragged_all_to_all); default by jax.default_backend().
+      dense_via: the dense layout's collectives: "all_gather" | "all_to_all" | "permute"
+        (turbo_moe.ops.dense_exchange; the results are the same).
     Returns:
       recv_x (P*C, H), recv_ids int32 (P*C, k) local expert ids (-1: none / empty slot),
       recv_w float32 (P*C, k), handle (DispatchHandle) for moe_combine.
@@ -111,9 +117,15 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
     if not 0 < C <= T:
         raise ValueError(f"capacity must be in [1, T={T}] slots per destination rank, got {capacity}")
     layout = resolve_layout(layout, P, T, C)
+    check_via(dense_via)
     ids = _checks.index_as_int32(expert_ids, num_experts)
     if layout == "dense":
-        return _dispatch_dense(x, ids, weights.astype(jnp.float32), P, num_experts // P, axis_name)
+        recv_x, recv_ids, recv_w, sent = dispatch_dense(x, ids, weights.astype(jnp.float32), P, num_experts // P,
+                                                        axis_name, dense_via)
+        slot = jnp.where(sent, jnp.arange(T, dtype=jnp.int32)[:, None], -1)
+        counts = sent.sum(0, dtype=jnp.int32)
+        return recv_x, recv_ids, recv_w, DispatchHandle(slot, counts, jnp.zeros_like(counts), None, "dense", None,
+                                                        dense_via)
     send_x, send_ids, send_w, counts, overflow, slot = _dispatch_pack(
         x, ids, weights.astype(jnp.float32), P, num_experts // P, C)
     exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0)
@@ -139,52 +151,6 @@ def slot_plan(counts, capacity: int, axis_name: str):
     recv = jax.lax.all_to_all(counts.astype(jnp.int32), axis_name, 0, 0, tiled=True)  # (P,) rows from each source
     return ExchangePlan(input_offsets=blocks, send_sizes=counts.astype(jnp.int32), output_offsets=mine,
                         recv_sizes=recv, recv_offsets=blocks, return_offsets=mine)
-
-
-def _dispatch_dense(x, ids, weights, P, El, axis_name):
-    """Every token to every rank (no packing); the receiver keeps the ids of its own experts."""
-    T, k = ids.shape
-    me = jax.lax.axis_index(axis_name).astype(jnp.int32)
-    all_ids = jax.lax.all_gather(ids, axis_name, tiled=True)  # (P*T, k) global ids, -1 invalid
-    all_w = jax.lax.all_gather(weights, axis_name, tiled=True)  # (P*T, k)
-    mine = (all_ids >= me * El) & (all_ids < (me + 1) * El)
-    recv_ids = jnp.where(mine, all_ids - me * El, -1)
-    recv_w = jnp.where(mine, all_w, 0.0)
-    dest = jnp.where(ids >= 0, ids // El, -1)  # (T, k) rank of each expert
-    sent = jnp.any(dest[:, :, None] == jnp.arange(P, dtype=jnp.int32), axis=1)  # (T, P)
-    slot = jnp.where(sent, jnp.arange(T, dtype=jnp.int32)[:, None], -1)
-    counts = sent.sum(0, dtype=jnp.int32)
-    handle = DispatchHandle(slot, counts, jnp.zeros_like(counts), None, "dense")
-    return gather_blocks(x, axis_name), recv_ids, recv_w, handle
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gather_blocks(x, axis_name: str):
-    """(T, H) -> (P*T, H): every rank's rows; the transpose is `sum_blocks` (float32 sums)."""
-    return jax.lax.all_gather(x, axis_name, tiled=True)
-
-
-def _gather_fwd(x, axis_name):
-    return gather_blocks(x, axis_name), x[:0]  # x[:0]: x's type, no data
-
-
-def _gather_bwd(axis_name, x_type, d_out):
-    return (match_varying(sum_blocks(d_out, axis_name), x_type),)
-
-
-gather_blocks.defvjp(_gather_fwd, _gather_bwd)
-
-
-def sum_blocks(y, axis_name: str):
-    """(P*T, H) -> (T, H): row t is the sum over ranks p of their block-`me` row t, rounded once.
-
-    A reduce-scatter sums in y's dtype hop by hop; that equals a float32 sum rounded once only for
-    float32 or two ranks (one addition), elsewhere the blocks come over by all_to_all and add here."""
-    P = jax.lax.axis_size(axis_name)
-    if y.dtype == jnp.float32 or P <= 2:
-        return jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
-    got = jax.lax.all_to_all(y.reshape(P, -1, y.shape[-1]), axis_name, 0, 0)  # (P src, T, H)
-    return got.astype(jnp.float32).sum(0).astype(y.dtype)
 
 
 def _pack_call(x, expert_ids, weights, P, El, C):
