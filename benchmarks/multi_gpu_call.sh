@@ -38,12 +38,13 @@ if [ "$n" -ge 4 ] && [ -n "${AB_A:-}" ]; then
 fi
 CUDA_VISIBLE_DEVICES=0,1 timeout "${EP2_LIMIT:-240}" python3 benchmarks/ep_dispatch.py --skip-checks \
   --layer-shapes reduced --out /tmp/mgc/ep2/ep_dispatch.csv >/tmp/mgc/ep2/log 2>&1
-echo "EP=2 rc=$?"; pack ep2
+echo "EP=2 rc=$? at ${SECONDS}s"; pack ep2
 wait
+echo "A/B done at ${SECONDS}s"
 cat /tmp/mgc/ab2/log /tmp/mgc/ab3/log 2>/dev/null
 if [ "$n" -gt 2 ]; then
-  timeout "${EPN_LIMIT:-280}" python3 benchmarks/ep_dispatch.py --layer-shapes reduced \
+  timeout "${EPN_LIMIT:-$((585 - SECONDS))}" python3 benchmarks/ep_dispatch.py --layer-shapes reduced \
     --out /tmp/mgc/epN/ep_dispatch.csv >/tmp/mgc/epN/log 2>&1
-  echo "EP=$n rc=$?"; pack epN
+  echo "EP=$n rc=$? at ${SECONDS}s"; pack epN
 fi
 grep -E "x the all_to_all|layer|check|failed" /tmp/mgc/ep2/log /tmp/mgc/epN/log | cut -c1-150
