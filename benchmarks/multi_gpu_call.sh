@@ -33,8 +33,8 @@ ab_pair() {  # ab_pair GPU FIRST SECOND: one pair of runs on one GPU, each recor
 }
 
 if [ "$n" -ge 4 ] && [ -n "${AB_A:-}" ]; then
-  ab_pair 2 "$AB_A" "$AB_B" >/tmp/mgc/ab2/log 2>&1 &
-  ab_pair 3 "$AB_B" "$AB_A" >/tmp/mgc/ab3/log 2>&1 &
+  ab_pair 2 "$AB_A" "$AB_B" ${AB_TWICE:+"$AB_A" "$AB_B"} >/tmp/mgc/ab2/log 2>&1 &
+  ab_pair 3 "$AB_B" "$AB_A" ${AB_TWICE:+"$AB_B" "$AB_A"} >/tmp/mgc/ab3/log 2>&1 &
 fi
 CUDA_VISIBLE_DEVICES=0,1 timeout "${EP2_LIMIT:-240}" python3 benchmarks/ep_dispatch.py --skip-checks \
   --layer-shapes reduced --out /tmp/mgc/ep2/ep_dispatch.csv >/tmp/mgc/ep2/log 2>&1

@@ -11,8 +11,9 @@ from turbo_moe.ops import grouped_gemm, moe_combine, moe_dispatch, permute, unpe
 from turbo_moe.ops.ragged_exchange import ragged_exchange, split_updates
 
 H, F = 7, 5
-# "dense/<via>": the dense layout with x moved by another collective (turbo_moe.ops.dense_exchange)
-LAYOUTS = ("dense", "dense/all_to_all", "dense/permute", "packed", "ragged")
+# "dense/<via>": the dense layout with x moved by a named collective (turbo_moe.ops.dense_exchange);
+# "dense" is dense_via="auto" (permute at 2 ranks, all_gather beyond)
+LAYOUTS = ("dense", "dense/all_gather", "dense/all_to_all", "dense/permute", "packed", "ragged")
 
 
 def mesh_of(ranks):
@@ -27,7 +28,7 @@ def ep_layer(ranks, num_experts, layout, capacity=None, dtype=jnp.float32):
 
     def layer(x, ids, w, W):
         rx, rids, rw, handle = moe_dispatch(x.astype(dtype), ids, w, num_experts=num_experts, axis_name="expert",
-                                            capacity=capacity, layout=layout, dense_via=via or "all_gather")
+                                            capacity=capacity, layout=layout, dense_via=via or "auto")
         xs, sizes, ph = permute(rx, rids, num_experts // ranks)
         y = unpermute(grouped_gemm(xs, W.astype(dtype), sizes), ph, rw)
         return moe_combine(y, handle, axis_name="expert").astype(jnp.float32), handle.overflow, handle.counts
@@ -70,7 +71,7 @@ def test_layouts_match_one_device_and_each_other(ranks, routing):
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=layout)
         assert int(overflow.sum()) == 0, layout
         outs[layout] = (np.asarray(out), np.asarray(counts))
-    for via in ("dense/all_to_all", "dense/permute"):  # same tokens counted as sent
+    for via in ("dense/all_gather", "dense/all_to_all", "dense/permute"):  # same tokens counted as sent
         np.testing.assert_array_equal(outs[via][1], outs["dense"][1])
     np.testing.assert_array_equal(outs["dense"][1], outs["packed"][1])
     np.testing.assert_array_equal(outs["ragged"][1], outs["packed"][1])
@@ -109,7 +110,7 @@ def test_layouts_are_deterministic():
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("dense", ["dense", "dense/all_to_all", "dense/permute"])
+@pytest.mark.parametrize("dense", ["dense/all_gather", "dense/all_to_all", "dense/permute"])
 def test_bfloat16_dense_sums_once(ranks, dense):
     """bf16: the dense combine (reduce-scatter at 2 ranks, else a float32 sum of what all_to_all or the
     permutes bring) equals the packed one (unpermute, float32) to rounding; both near the float64 result."""
@@ -138,20 +139,27 @@ def test_ragged_capacity_overflow_matches_packed():
 
 def test_auto_layout_and_bad_layouts_are_named():
     mesh = mesh_of(2)
-    x, ids, w, _ = problem(1, 2, 4, 2, 6)
 
-    def layout_of(**kw):  # the layout the dispatch picks, read while tracing (it is static)
+    def handle_of(mesh=mesh, **kw):  # the handle's static fields: what the dispatch picked while tracing
         seen = []
+        x, ids, w, _ = problem(1, mesh.size, 4, 2, 6)
 
         def f(x, ids, w):
-            seen.append(moe_dispatch(x, ids, w, num_experts=6, axis_name="expert", **kw)[3].layout)
+            handle = moe_dispatch(x, ids, w, num_experts=6, axis_name="expert", **kw)[3]
+            seen.append((handle.layout, handle.dense_via))
             return x
 
         jax.shard_map(f, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert"))(x, ids, w)
         return seen[0]
 
-    assert layout_of() == "packed"  # the faster layer at EP=2 on the GPU (module doc)
-    assert layout_of(capacity=2) == "packed"
+    def layout_of(**kw):
+        return handle_of(**kw)[0]
+
+    # the faster exchange and layer on four H200s at EP 2 and 4 (module doc): dense, by permutes at 2 ranks
+    assert handle_of() == ("dense", "permute")
+    assert handle_of(mesh=mesh_of(3), dense_via="auto") == ("dense", "all_gather")
+    assert handle_of(dense_via="all_to_all") == ("dense", "all_to_all")
+    assert layout_of(capacity=2) == "packed"  # capped slots: only the packed layout has them
     assert layout_of(layout="dense") == "dense"
     with pytest.raises(ValueError, match="layout='dense'.*capacity must be T=4"):
         layout_of(capacity=2, layout="dense")

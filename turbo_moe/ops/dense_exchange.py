@@ -22,13 +22,18 @@ import jax.numpy as jnp
 
 from turbo_moe.ops.varying import match_varying
 
-DENSE_VIA = ("all_gather", "all_to_all", "permute")
-DEFAULT_DENSE_VIA = "all_gather"
+DENSE_VIA = ("auto", "all_gather", "all_to_all", "permute")
+DEFAULT_DENSE_VIA = "auto"
 
 
-def check_via(via: str) -> str:
+def resolve_via(via: str, n_ranks: int) -> str:
+    """"auto": permute at two ranks (one permute each way; 0.84-0.86x a plain all_to_all of the same bytes
+    at DeepSeek-V3 width against all_gather's 0.78-0.80x), all_gather beyond (the P-1 permutes run one after
+    another: 0.49-0.51x at P = 4, all_gather 0.77-0.84x; four H200s, experiments/NOTES.md issue 14 calls 106-108)."""
     if via not in DENSE_VIA:
         raise ValueError(f"dense_via must be one of {DENSE_VIA}, got {via!r}")
+    if via == "auto":
+        return "permute" if n_ranks == 2 else "all_gather"
     return via
 
 
@@ -56,7 +61,7 @@ def block_sources(axis_name: str, via: str):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather_blocks(x, axis_name: str, via: str = DEFAULT_DENSE_VIA):
+def gather_blocks(x, axis_name: str, via: str = "all_gather"):
     """(T, H) -> (P*T, H): every rank's rows in `via`'s block order; the transpose is `sum_blocks`."""
     P = jax.lax.axis_size(axis_name)
     if via == "all_gather":
@@ -78,7 +83,7 @@ def _gather_bwd(axis_name, via, x_type, d_out):
 gather_blocks.defvjp(_gather_fwd, _gather_bwd)
 
 
-def sum_blocks(y, axis_name: str, via: str = DEFAULT_DENSE_VIA):
+def sum_blocks(y, axis_name: str, via: str = "all_gather"):
     """(P*T, H) in `via`'s block order -> (T, H): row t is the sum over ranks of the row each computed
     for my token t, rounded once (float32 sums)."""
     P = jax.lax.axis_size(axis_name)

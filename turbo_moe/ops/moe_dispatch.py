@@ -23,10 +23,12 @@ Layouts (the results are the same; they differ in what crosses the wire and what
   by one all_gather; rows of tokens with no expert here carry id -1. The combine is a sum over ranks.
 - "ragged": packed, but only the real rows of each destination cross (`ragged_all_to_all`, counts
   exchanged first by a (P,) all_to_all): fewer bytes when tokens reach few of the ranks (large P).
-- "auto": packed for P <= PACKED_MAX_RANKS (a token reaches 1 - (1 - 1/P)^k of the ranks: nearly all,
-  so real rows ~ the buffer), ragged for more ranks. Not dense, although its exchange alone is faster
-  (EP=2, two H200s: 0.74x a plain all_to_all against packed's 0.67x): the reduced MoE layer's fwd+bwd
-  measured 2.98 ms with it against 2.68 ms packed (experiments/NOTES.md, issue 14 EP).
+- "auto": for P <= WORST_CASE_MAX_RANKS (a token reaches 1 - (1 - 1/P)^k of the ranks: nearly all, so
+  real rows ~ the buffer) dense where C = T, else packed; ragged for more ranks (real rows only: reasoned
+  from the bytes, not measured past P = 4). Measured on four H200s (experiments/NOTES.md, issue 14, calls
+  106-108), a round trip at DeepSeek-V3 width against a plain all_to_all of its real rows: EP=2 dense
+  0.84-0.86x (by permutes), packed 0.70-0.74x; EP=4 dense 0.77-0.84x (by all_gather), packed 0.73-0.76x;
+  the `reduced` MoE layer's fwd+bwd at EP=4 4.17-4.23 ms dense against 4.56-4.65 packed.
 """
 from __future__ import annotations
 
@@ -38,12 +40,12 @@ import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call, match_varying
-from turbo_moe.ops.dense_exchange import DEFAULT_DENSE_VIA, check_via, dispatch_dense
+from turbo_moe.ops.dense_exchange import DEFAULT_DENSE_VIA, dispatch_dense, resolve_via
 from turbo_moe.ops.ragged_exchange import ExchangePlan, default_impl, ragged_exchange
 from turbo_moe.ops.unpermute import unpermute_call
 
 LAYOUTS = ("auto", "dense", "packed", "ragged")
-PACKED_MAX_RANKS = 4  # top-8 at P=4: 90% of (token, remote rank) pairs are real rows; 66% at P=8
+WORST_CASE_MAX_RANKS = 4  # top-8 at P=4: 90% of (token, remote rank) pairs are real rows; 66% at P=8
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("slot", "counts", "overflow", "plan"),
@@ -54,7 +56,7 @@ class DispatchHandle:
     counts int32 (P,): tokens sent to each rank; overflow int32 (P,): tokens that did not fit.
     plan: the ragged layout's ExchangePlan (None otherwise); layout: the one the dispatch used;
     impl: the ragged collective ("native" | "emulated") the combine must use too;
-    dense_via: the dense layout's collectives (turbo_moe.ops.dense_exchange), the combine's too."""
+    dense_via: the dense layout's collectives as resolved (turbo_moe.ops.dense_exchange), the combine's too."""
 
     slot: jax.Array
     counts: jax.Array
@@ -62,7 +64,7 @@ class DispatchHandle:
     plan: object = None
     layout: str = "packed"
     impl: str | None = None
-    dense_via: str = DEFAULT_DENSE_VIA
+    dense_via: str | None = None
 
 
 def slot_rows(slot, capacity: int):
@@ -77,8 +79,8 @@ def resolve_layout(layout: str, n_ranks: int, tokens: int, capacity: int) -> str
     if layout == "dense" and capacity != tokens:
         raise ValueError(f"layout='dense' sends every token to every rank: capacity must be T={tokens}, "
                          f"got {capacity}")
-    if layout == "auto" and n_ranks <= PACKED_MAX_RANKS:  # few ranks: every buffer is nearly all real rows
-        return "packed"
+    if layout == "auto" and n_ranks <= WORST_CASE_MAX_RANKS:  # few ranks: every buffer is nearly all real rows
+        return "dense" if capacity == tokens else "packed"
     return "ragged" if layout == "auto" else layout
 
 
@@ -92,8 +94,8 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
       capacity: slots per destination rank (default T: the worst case, nothing can overflow).
       layout: "auto" | "dense" | "packed" | "ragged".  impl: the ragged layout's collective,
         "native" or "emulated" (XLA:CPU has no ragged_all_to_all); default by jax.default_backend().
-      dense_via: the dense layout's collectives: "all_gather" | "all_to_all" | "permute"
-        (turbo_moe.ops.dense_exchange; the results are the same).
+      dense_via: the dense layout's collectives: "auto" (permute at P = 2, else all_gather) |
+        "all_gather" | "all_to_all" | "permute" (turbo_moe.ops.dense_exchange; the results are the same).
     Returns:
       recv_x (P*C, H), recv_ids int32 (P*C, k) local expert ids (-1: none / empty slot),
       recv_w float32 (P*C, k), handle (DispatchHandle) for moe_combine.
@@ -117,7 +119,7 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
     if not 0 < C <= T:
         raise ValueError(f"capacity must be in [1, T={T}] slots per destination rank, got {capacity}")
     layout = resolve_layout(layout, P, T, C)
-    check_via(dense_via)
+    dense_via = resolve_via(dense_via, P)
     ids = _checks.index_as_int32(expert_ids, num_experts)
     if layout == "dense":
         recv_x, recv_ids, recv_w, sent = dispatch_dense(x, ids, weights.astype(jnp.float32), P, num_experts // P,
