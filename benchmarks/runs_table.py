@@ -28,23 +28,29 @@ from _records import write_csv  # noqa: E402
 
 GIB = 2**30
 SWITCHES = ("remat_policy", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding", "cast_params_before_scan",
-            "cast_params_in_update", "scan_outputs_uninitialized", "loss_chunk_tokens", "logits_dtype", "param_dtype",
+            "cast_params_in_update", "master_weights", "scan_outputs_uninitialized", "loss_chunk_tokens",
+            "logits_dtype", "param_dtype",
             "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_center_causal",
             "router_seq_load_penalty", "router_topk_impl", "attention_impl", "expert_backward", "swiglu_impl",
             "embedding_grad")
 
 
 _SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "adam_nu_dtype": "nu", "adam_nu_rounding": "nu_round",
-          "cast_params_before_scan": "cast", "cast_params_in_update": "cast_update",
+          "cast_params_before_scan": "cast", "cast_params_in_update": "cast_update", "master_weights": "master",
           "scan_outputs_uninitialized": "uninit", "loss_chunk_tokens": "chunk", "logits_dtype": "logits",
           "param_dtype": "params", "router_center_causal": "center", "router_seq_load_penalty": "seqload",
           "router_topk_impl": "topk", "attention_impl": "attn", "expert_backward": "expert_bwd", "swiglu_impl": "swiglu",
           "embedding_grad": "emb_grad"}
 
 
+# A valued switch's setting that means "off" (its default), left out of the figure's labels like False.
+_OFF = {"master_weights": "float32"}
+
+
 def _switch_label(key: str, value) -> str:
     """' cast' for a switch that is on, '' for one that is off, ' remat=full' for a valued one."""
-    if value in (None, False, 0, "", "False", "0") or (isinstance(value, float) and math.isnan(value)):
+    if value in (None, False, 0, "", "False", "0") or (isinstance(value, float) and math.isnan(value)) \
+            or (key in _OFF and value == _OFF[key]):
         return ""
     return f" {_SHORT.get(key, key)}" + ("" if value in (True, "True") else f"={value}")
 
