@@ -106,7 +106,7 @@ def collect(args) -> Path:
 
     mesh = make_mesh(expert_parallel=tc.expert_parallel)
     program = build_program(cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
-                            tc.scan_outputs_uninitialized, tc.cast_params_in_update)
+                            tc.scan_outputs_uninitialized, tc.cast_params_in_update, tc.master_weights == "split")
     state = jax.block_until_ready(program.init(jax.random.key(tc.seed)))
     global_batch = tc.per_device_batch * jax.device_count()
     start = time.perf_counter()

@@ -24,11 +24,12 @@ from turbo_moe.train.step import (
     make_mesh,
     make_optimizer,
     make_train_step,
+    master_params,
     with_head_bias,
 )
 
 __all__ = [
     "Checkpointer", "OutOfMemory", "PEAK_BF16_FLOPS", "Program", "RunResult", "STATUSES", "TrainConfig",
     "TrainState", "build_program", "init_state", "learning_rate_schedule", "make_eval_step", "make_mesh",
-    "make_optimizer", "make_train_step", "peak_flops", "run", "with_head_bias",
+    "make_optimizer", "make_train_step", "master_params", "peak_flops", "run", "with_head_bias",
 ]

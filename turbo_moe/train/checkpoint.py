@@ -28,8 +28,12 @@ log = logging.getLogger(__name__)
 # silently change the trajectory (steps, eval/checkpoint cadence, progress may change).
 RESUME_FIELDS = ("model", "model_overrides", "dataset", "text_field", "val_fraction", "per_device_batch",
                  "expert_parallel", "seq_len", "learning_rate", "warmup_steps", "lr_schedule_steps",
-                 "min_lr_ratio", "weight_decay", "adam_b1", "adam_b2", "adam_mu_dtype", "adam_nu_dtype", "grad_clip",
-                 "remat_policy", "seed")
+                 "min_lr_ratio", "weight_decay", "adam_b1", "adam_b2", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding",
+                 "grad_clip", "remat_policy", "seed", "master_weights")
+# Fields a checkpoint's record may lack (written before the field existed): the value such a run had.
+RESUME_DEFAULTS = {"master_weights": "float32"}
+# Why a difference matters where the generic advice (another checkpoint_dir, or resume=False) is not the whole story.
+_RESUME_HINTS = {"master_weights": "the checkpoint stores the weights in its layout: resume with its master_weights"}
 
 
 class CheckpointError(RuntimeError):
@@ -47,11 +51,13 @@ def check_resume_config(saved: dict | None, current: dict) -> None:
     """Raise ValueError naming every field in which the checkpoint's run differs from this one."""
     if not saved:
         return
-    diffs = [f"{k}={saved.get(k)!r} in the checkpoint, {current.get(k)!r} now" for k in RESUME_FIELDS
-             if k in saved and k in current and saved.get(k) != current.get(k)]
-    if diffs:
-        raise ValueError("cannot resume: the checkpoint was written by a different run (" + "; ".join(diffs)
-                         + "); use another checkpoint_dir or set resume=False")
+    saved = {**{k: v for k, v in RESUME_DEFAULTS.items() if k in current}, **saved}
+    changed = [k for k in RESUME_FIELDS if k in saved and k in current and saved[k] != current[k]]
+    if changed:
+        diffs = "; ".join(f"{k}={saved[k]!r} in the checkpoint, {current[k]!r} now" for k in changed)
+        hints = "".join(f"; {_RESUME_HINTS[k]}" for k in changed if k in _RESUME_HINTS)
+        raise ValueError(f"cannot resume: the checkpoint was written by a different run ({diffs}); use another "
+                         f"checkpoint_dir or set resume=False{hints}")
 
 
 def _leaf_names(tree) -> list[str]:
@@ -121,26 +127,35 @@ class Checkpointer:
         failures = []
         for candidate in steps:
             try:
-                state, record = self._restore_step(like, candidate)
+                record = self._restore_record(candidate)
             except Exception as exc:  # a damaged step: try the one before
                 failures.append(f"step {candidate}: {_reason(exc)}")
                 continue
+            # Before the state: another run's state may not restore into `like` at all (master_weights changes its
+            # leaves), and that must read as another run's checkpoint, not as a damaged step.
             if config is not None:
                 check_resume_config(record.get("config"), config)
+            try:
+                state = self._restore_state(like, candidate)
+            except Exception as exc:
+                failures.append(f"step {candidate}: {_reason(exc)}")
+                continue
             if failures:
                 self._set_aside(steps[:steps.index(candidate)], failures)
             return state, record
         raise CheckpointError(f"no checkpoint in {self.directory} could be restored: " + " | ".join(failures))
 
-    def _restore_step(self, like, step: int) -> tuple[Any, dict]:
-        target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                  for name, x in flatten_state(like).items()}
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()))
-        record = restored["record"]
+    def _restore_record(self, step: int) -> dict:
+        record = self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
         if not isinstance(record, dict) or record.get("step") != step:
             raise ValueError(f"its record names step {record.get('step') if isinstance(record, dict) else record!r}")
-        return unflatten_state(restored["state"], like), record
+        return record
+
+    def _restore_state(self, like, step: int):
+        target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                  for name, x in flatten_state(like).items()}
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        return unflatten_state(restored["state"], like)
 
     def _set_aside(self, damaged: list[int], failures: list[str]) -> None:
         """Rename damaged steps so that later saves at those steps do not collide with them."""

@@ -14,6 +14,7 @@ _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_
 ADAM_MU_DTYPES = (None, "bfloat16", "float32")
 ADAM_NU_DTYPES = ADAM_MU_DTYPES  # the moments' storage dtypes: None is the parameters' dtype
 NU_ROUNDINGS = ("nearest", "stochastic")
+MASTER_WEIGHTS = ("float32", "split")  # turbo_moe/train/split_master.py
 # bfloat16 keeps 8 significant bits: for adam_b2 above 1 - 2**-8 the decay b2 * nu can round back to nu.
 BF16_NU_MAX_B2 = 1 - 2**-8
 
@@ -50,6 +51,12 @@ class TrainConfig:
     # update next to the float32 master weights (one fused pass), instead of cast from float32 at the start of every
     # step (ModelConfig.cast_params_before_scan). Same values and gradients; +2 bytes a stacked weight in the state.
     cast_params_in_update: bool = False
+    # How the stacked layers' float32 master weights are kept (turbo_moe.train.split_master): "float32", or "split":
+    # as their bf16 compute copy (what the forward reads; rounded half up, not to nearest-even, at exact ties) + the
+    # 16 low bits, exact together. The update reads and writes 4 bytes a weight where cast_params_in_update reads 4
+    # and writes 6; the state is 2 bytes a weight smaller. Needs the model's dtype bfloat16 and param_dtype float32,
+    # and replaces cast_params_in_update. Checkpoints hold the split form: resume with the same setting.
+    master_weights: str = "float32"
     seq_len: int | None = None
     steps: int = 50
     learning_rate: float = 3e-3
@@ -156,6 +163,10 @@ def _validate(c: TrainConfig) -> None:
              f"must be a bool, got {c.scan_outputs_uninitialized!r}")
     _require(isinstance(c.cast_params_in_update, bool), "cast_params_in_update",
              f"must be a bool, got {c.cast_params_in_update!r}")
+    _require(isinstance(c.master_weights, str) and c.master_weights in MASTER_WEIGHTS, "master_weights",
+             f"got {c.master_weights!r}; expected one of {MASTER_WEIGHTS}")
+    _require(not (c.master_weights == "split" and c.cast_params_in_update), "master_weights",
+             "'split' already keeps the bf16 compute copy in the state: set cast_params_in_update=False")
     _require(c.xla_gpu_autotune_level is None or (_is_int(c.xla_gpu_autotune_level)
              and 0 <= c.xla_gpu_autotune_level <= 4), "xla_gpu_autotune_level",
              f"must be None or an int in 0..4, got {c.xla_gpu_autotune_level!r}")
@@ -206,6 +217,10 @@ def _validate(c: TrainConfig) -> None:
     model_cfg = c.model_config()  # raises ValueError naming the ModelConfig field
     _require(model_cfg.n_experts % c.expert_parallel == 0, "expert_parallel",
              f"{c.expert_parallel} does not divide the model's n_experts={model_cfg.n_experts}")
+    _require(c.master_weights != "split" or (model_cfg.dtype == "bfloat16" and model_cfg.param_dtype == "float32"),
+             "master_weights", f"'split' keeps float32 master weights as their bfloat16 compute copy + 16 low bits: it "
+             f"needs the model's dtype 'bfloat16' and param_dtype 'float32', got {model_cfg.dtype!r} and "
+             f"{model_cfg.param_dtype!r}")
     seq_len = c.seq_len if c.seq_len is not None else model_cfg.max_seq_len
     _require(seq_len <= model_cfg.max_seq_len, "seq_len",
              f"{seq_len} > the model's max_seq_len={model_cfg.max_seq_len} (raise it in model_overrides)")

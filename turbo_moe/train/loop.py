@@ -92,7 +92,7 @@ class _Trainer:
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
         program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
-                                tc.scan_outputs_uninitialized, tc.cast_params_in_update)
+                                tc.scan_outputs_uninitialized, tc.cast_params_in_update, tc.master_weights == "split")
         # The train step compiles on abstract inputs in a second thread while the init program compiles
         # and runs: a cold start waits for the longer of the two, not their sum (NOTES, issue 12).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step") as pool:

@@ -3,7 +3,9 @@
 The model is split once into a static graph definition and two pytrees: `params` (nnx.Param, float32
 master weights updated by AdamW) and `extra` (everything else — the router biases, which the
 auxiliary-loss-free rule updates outside the gradient). Compute dtype (bf16) is the model's business:
-its layers cast the float32 params at use.
+its layers cast the float32 params at use. With `TrainConfig.master_weights="split"` the stacked layers'
+cast-at-use weights in `params` are their bf16 copy and `TrainState.master_low` holds the rest of the float32
+master (`master_params` joins them).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train s
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.init_program import InitProgram
 from turbo_moe.train.low_precision_adam import with_adam_nu_dtype
+from turbo_moe.train.split_master import joined_params, split_params
 from turbo_moe.train.scan_outputs import LoweredWithUninitializedScans
 
 # Mesh axes: ("data", "expert"). Tokens are split over every device; the training states are sharded
@@ -35,20 +38,32 @@ BATCH_AXES = ("data", "expert")  # tokens are split over every device
 
 class TrainState(NamedTuple):
     step: jax.Array  # () int32, optimizer updates applied so far
-    params: Any  # nnx.State of nnx.Param (float32)
+    params: Any  # nnx.State of nnx.Param (float32; "split": bf16 at master_low's paths, see `master_params`)
     extra: Any  # nnx.State of non-Param variables (router biases)
     opt_state: Any  # optax state
     # TrainConfig.cast_params_in_update: the stacked layers' cast-at-use weights in the compute dtype (an nnx.State
     # with a subset of params' paths), written by each update and read by the next forward pass; None otherwise.
     # Derived from params: not checkpointed (`Program.refresh_compute` rebuilds it after a restore).
     compute: Any = None
+    # TrainConfig.master_weights="split": the low 16 bits (uint16) of the float32 master weights whose bf16 compute
+    # copy (the top 16, rounded) stands in `params` at those paths (turbo_moe.train.split_master). Not derived from
+    # params: checkpointed, and laid out as the params it completes (state_shardings reads the same metadata).
+    master_low: Any = None
+
+
+def master_params(state: TrainState):
+    """The float32 master weights of `state` whatever `TrainConfig.master_weights` is: read these, not
+    `state.params`, to export or inspect the weights ("split" keeps bf16 there)."""
+    return state.params if state.master_low is None else joined_params(state.params, state.master_low)
 
 
 class ComputeCast(NamedTuple):
-    """Which weights `TrainConfig.cast_params_in_update` keeps cast (state paths) and to what dtype."""
+    """Which weights `TrainConfig.cast_params_in_update` keeps cast (state paths) and to what dtype; with `split`
+    (`TrainConfig.master_weights="split"`) params holds the bf16 copy itself and `master_low` the rest of float32."""
 
     paths: frozenset
     dtype: Any
+    split: bool = False
 
 
 def compute_copy(params, cast: ComputeCast):
@@ -140,8 +155,12 @@ def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, cast: Com
 
     def create(key) -> TrainState:
         _, params, extra = nnx.split(new_model(key), nnx.Param, ...)
+        opt_state = tx.init(params)  # from the float32 masters in either layout: the same moments
+        if cast is not None and cast.split:
+            params, low = split_params(params, cast.paths)
+            return TrainState(jnp.zeros((), jnp.int32), params, extra, opt_state, None, low)
         compute = None if cast is None else compute_copy(params, cast)
-        return TrainState(jnp.zeros((), jnp.int32), params, extra, tx.init(params), compute)
+        return TrainState(jnp.zeros((), jnp.int32), params, extra, opt_state, compute)
 
     return new_model, create
 
@@ -179,15 +198,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
         # nnx.value_and_grad (not jax's) so the model's nnx.remat blocks see a consistent trace context;
         # DiffState restricts the gradient to nnx.Param (router biases are not trained by gradient).
         grad_fn = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
-        params_in = state.params if cast is None else with_compute(state.params, state.compute)
+        split = cast is not None and cast.split
+        params_in = state.params if cast is None or split else with_compute(state.params, state.compute)
         forward = _merge(graphdef, params_in, state.extra)
         (_, metrics), grads = grad_fn(forward, batch)
-        if cast is not None:  # the compute copy's gradients, as the cast's transpose gives them: in float32
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            compute = None if cast is None else compute_copy(params, cast)  # fused with the update's pass
+            master = master_params(state)  # "split": joined in the update's fused pass, never stored as float32
+            if cast is not None:  # the compute copy's gradients, as the cast's transpose gives them: in float32
+                grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
+            updates, opt_state = tx.update(grads, state.opt_state, master)
+            params, low = optax.apply_updates(master, updates), None
+            if split:  # the same pass writes hi (the next forward's weights), lo and the moments
+                params, low = split_params(params, cast.paths)
+            compute = None if cast is None or split else compute_copy(params, cast)  # fused with the update's pass
         # Aux-loss-free balancing: the bias moves toward the mean load (router_bias_update) after the weight update.
         # Non-Param state as the forward left it (router_center_ema's running means; else state.extra).
         model = _merge(graphdef, params, nnx.split(forward, nnx.Param, ...)[2])
@@ -197,13 +220,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
         _, _, extra = nnx.split(model, nnx.Param, ...)
         with jax.named_scope("optimizer"):
             metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, params, extra, opt_state, compute), metrics
+        return TrainState(state.step + 1, params, extra, opt_state, compute, low), metrics
 
     return train_step
 
 
 def make_eval_step(graphdef) -> Callable:
-    """(state, batch) -> metrics (no update). The reported eval loss is the main-head cross-entropy."""
+    """(state, batch) -> metrics (no update). The reported eval loss is the main-head cross-entropy.
+
+    It reads `state.params` as the train step's forward does: with master_weights="split" the stacked weights' bf16
+    copy (round half up; the float32 path's cast rounds to nearest-even, the two differ only at exact ties)."""
 
     def eval_step(state: TrainState, batch: dict):
         _, metrics = lm_loss(_merge(graphdef, state.params, state.extra), batch)
@@ -237,26 +263,39 @@ def compiler_options(gpu_autotune_level: int | None) -> dict | None:
     return {"xla_gpu_autotune_level": gpu_autotune_level}
 
 
-def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module) -> ComputeCast:
-    """TrainConfig.cast_params_in_update's paths and dtype; refused where the model computes in its parameter dtype."""
+def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module, split: bool = False) -> ComputeCast:
+    """TrainConfig.cast_params_in_update's paths and dtype (with `split`, master_weights="split"'s); refused where the
+    model computes in its parameter dtype."""
     from turbo_moe.model.stack import stacked_cast_paths
 
     dtype = jnp.dtype(model_cfg.dtype)
+    if split and (dtype != jnp.bfloat16 or jnp.dtype(model_cfg.param_dtype) != jnp.float32):
+        raise ValueError(f"TrainConfig.master_weights='split' keeps float32 master weights as a bfloat16 compute copy "
+                         f"+ 16 low bits: it needs ModelConfig.dtype 'bfloat16' and param_dtype 'float32', got "
+                         f"{model_cfg.dtype!r} and {model_cfg.param_dtype!r}")
     if dtype == jnp.dtype(model_cfg.param_dtype):
         raise ValueError(f"TrainConfig.cast_params_in_update: the model computes in its parameter dtype "
                          f"({model_cfg.param_dtype}): there is nothing to cast (use float32 params with a "
                          f"bfloat16/float16 compute dtype, or turn it off)")
-    return ComputeCast(frozenset(stacked_cast_paths(abstract_model, dtype)), dtype)
+    return ComputeCast(frozenset(stacked_cast_paths(abstract_model, dtype)), dtype, split)
 
 
 @functools.lru_cache(maxsize=4)
 def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
                   fsdp: bool = True, gpu_autotune_level: int | None = None,
-                  scan_outputs_uninitialized: bool = False, cast_params_in_update: bool = False) -> Program:
+                  scan_outputs_uninitialized: bool = False, cast_params_in_update: bool = False,
+                  split_master: bool = False) -> Program:
+    """The jitted programs of one configuration; `split_master` is `TrainConfig.master_weights == "split"`."""
+    if not isinstance(split_master, bool) or not isinstance(cast_params_in_update, bool):
+        raise TypeError(f"build_program: cast_params_in_update and split_master must be bools, got "
+                        f"{cast_params_in_update!r} and {split_master!r}")
+    if split_master and cast_params_in_update:
+        raise ValueError("build_program: split_master (TrainConfig.master_weights='split') already keeps the bf16 "
+                         "compute copy in the state: pass cast_params_in_update=False")
     options = compiler_options(gpu_autotune_level)
     key = jax.random.key(0)
     abstract_model = nnx.eval_shape(lambda: DeepSeekModel(model_cfg, rngs=nnx.Rngs(key)))  # no allocation
-    cast = compute_cast(model_cfg, abstract_model) if cast_params_in_update else None
+    cast = compute_cast(model_cfg, abstract_model, split_master) if cast_params_in_update or split_master else None
     new_model, create = _init_fn(model_cfg, tx, cast)
     graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
     shapes = jax.eval_shape(create, key)
@@ -275,7 +314,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     if scan_outputs_uninitialized:
         train, evaluate = LoweredWithUninitializedScans(train), LoweredWithUninitializedScans(evaluate)
     refresh = None
-    if cast is not None:
+    if cast is not None and not cast.split:
         refresh = jax.jit(lambda state: state._replace(compute=compute_copy(state.params, cast)),
                           out_shardings=state_sharding, donate_argnums=0, compiler_options=options)
     return Program(graphdef, init, train, evaluate, abstract_state, refresh)
