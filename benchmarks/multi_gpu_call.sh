@@ -4,6 +4,8 @@
 #      GPUs 2 and 3 (if there) each run one A/B pair of a one-GPU training config (benchmarks/train_once.py),
 #      in opposite orders: AB_A and AB_B are TrainConfig JSON files (unset: no A/B).
 #   2. EP=N on every GPU: the same benchmark with the EP-vs-one-device checks.
+#   3. With EP_TRAIN=<TrainConfig JSON file>: that training run at expert_parallel=N on every GPU, once with the
+#      default deepep layout and once packed (TURBO_MOE_DEEPEP_LAYOUT), a process each (prepared 2026-11-26, not run yet).
 # Carry build/lead_lib (the kernels for sm_90a, see benchmarks/gpu_env.sh).
 #   bash benchmarks/multi_gpu_call.sh        (OUT set by the device tool)
 set -u
@@ -46,5 +48,14 @@ if [ "$n" -gt 2 ]; then
   timeout "${EPN_LIMIT:-$((585 - SECONDS))}" python3 benchmarks/ep_dispatch.py --layer-shapes reduced \
     --out /tmp/mgc/epN/ep_dispatch.csv >/tmp/mgc/epN/log 2>&1
   echo "EP=$n rc=$? at ${SECONDS}s"; pack epN
+fi
+if [ -n "${EP_TRAIN:-}" ] && [ "$n" -ge 2 ]; then
+  mkdir -p /tmp/mgc/epT
+  for layout in auto packed; do
+    cfg=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['expert_parallel'] = $n; print(json.dumps(c))" "$EP_TRAIN")
+    TURBO_MOE_DEEPEP_LAYOUT=$layout XLA_PYTHON_CLIENT_PREALLOCATE=true timeout "$((590 - SECONDS))" \
+      python3 benchmarks/train_once.py --out "/tmp/mgc/epT/$layout" "$cfg" 2>&1 | grep -E '^\{"config"|Error' | cut -c1-600
+    echo "EP=$n training, layout $layout, done at ${SECONDS}s"; pack epT
+  done
 fi
 grep -E "x the all_to_all|layer|check|failed" /tmp/mgc/ep2/log /tmp/mgc/epN/log | cut -c1-150
