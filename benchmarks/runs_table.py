@@ -76,7 +76,8 @@ def _predicted_gib(tc, cfg) -> float:
     from turbo_moe.experiments.accounting import memory_prediction
 
     pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len or cfg.max_seq_len, adam_mu_dtype=tc.adam_mu_dtype,
-                             adam_nu_dtype=tc.adam_nu_dtype)
+                             adam_nu_dtype=tc.adam_nu_dtype,
+                             cast_params_in_update=getattr(tc, "cast_params_in_update", False))
     return sum(pred.values()) / GIB
 
 

@@ -10,7 +10,8 @@ The estimates are analytic and state their assumptions:
 - Activations for ``per_device_batch`` sequences, at the start of the backward pass: every layer's saved
   values under its remat policy (``saved_values_per_token``), one layer's working set, and the float32
   logits of the output heads (one chunk's with ``loss_chunk_tokens``). Layers are split over ``pipeline``;
-  a layer's values over ``tensor``. ``cast_params_before_scan`` is not modelled: XLA:CPU and the GPU
+  a layer's values over ``tensor``. ``cast_params_in_update``'s copy of the stacked weights is a term of its own
+  (``compute_copy_bytes_per_device``). ``cast_params_before_scan`` is not modelled: XLA:CPU and the GPU
   move the peak in opposite directions (experiments/NOTES.md, issue 14 part 2).
 - The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
   one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included); the
@@ -26,6 +27,7 @@ import dataclasses
 import pandas as pd
 
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
+from turbo_moe.model.accounting import stacked_cast_params
 from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS, expert_capacity
 from turbo_moe.train.config import ADAM_MU_DTYPES
 
@@ -233,16 +235,24 @@ def activation_bytes_per_device(
     return {"saved layers": saved, "live layer": moe + attn, "logits": logits}
 
 
+def compute_copy_bytes_per_device(cfg: ModelConfig, mesh: MeshShape) -> float:
+    """``TrainConfig.cast_params_in_update``'s compute-dtype copy of the stacked weights, kept in the train state.
+    (``master_weights="split"`` keeps none: its bf16 copy and 16 low bits take the float32 master's 4 bytes.)"""
+    stacked = stacked_cast_params(cfg)
+    return _BYTES[cfg.dtype] * _per_device(stacked["routed experts"], stacked["other"], mesh)
+
+
 def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
                       mesh: MeshShape | None = None, adam_mu_dtype: str | None = None,
-                      adam_nu_dtype: str | None = None) -> dict[str, float]:
+                      adam_nu_dtype: str | None = None, cast_params_in_update: bool = False) -> dict[str, float]:
     """Predicted peak bytes per device of one training step of ``cfg`` (its own ``moe_path``): AdamW
-    states (parameters, gradients, two moments; ``adam_mu_dtype`` / ``adam_nu_dtype`` as the TrainConfig fields)
-    plus the activations above. Checked against XLA's buffer assignment by ``benchmarks/memory_check.py``
-    (experiments/NOTES.md, issue 12)."""
+    states (parameters, gradients, two moments; ``adam_mu_dtype`` / ``adam_nu_dtype`` as the TrainConfig fields;
+    with ``cast_params_in_update`` the stacked weights' compute copy too) plus the activations above. Checked
+    against XLA's buffer assignment by ``benchmarks/memory_check.py`` (experiments/NOTES.md, issue 12)."""
     mesh = mesh or MeshShape()
     _check_path(cfg.moe_path)
-    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype, adam_nu_dtype),
+    copy = {"compute copy": compute_copy_bytes_per_device(cfg, mesh)} if cast_params_in_update else {}
+    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype, adam_nu_dtype), **copy,
             **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len)}
 
 
