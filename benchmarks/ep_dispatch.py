@@ -139,7 +139,7 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
     n_ranks = mesh.shape["expert"]
     rng = np.random.default_rng(0)
     ids_np = routing_ids(rng, n_ranks * t, k, e)
-    x = jnp.asarray(rng.normal(size=(n_ranks * t, h)), jnp.bfloat16)
+    x = device_normal(mesh, 2, (n_ranks * t, h), scale=1.0)
     ids = jnp.asarray(ids_np)
     w = jnp.asarray(rng.random((n_ranks * t, k)) / k, jnp.float32)
     deepep_rows, ragged_rows = remote_rows(ids_np, n_ranks, e)
@@ -246,6 +246,13 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
     return rows
 
 
+def device_normal(mesh, seed: int, shape, scale: float = 0.02):
+    """bf16 N(0, scale^2) weights drawn on the devices, split over the expert axis. Not numpy: DeepSeek-V3's
+    experts are 11.3e9 samples, minutes of host time in float64 (what stopped the dsv3 layer rows twice)."""
+    draw = lambda key: jax.random.normal(key, shape, jnp.bfloat16) * jnp.asarray(scale, jnp.bfloat16)  # noqa: E731
+    return jax.jit(draw, out_shardings=NamedSharding(mesh, P("expert")))(jax.random.key(seed))
+
+
 def layer_rows(mesh, shape_name, reps, impl):
     t, h, k, e, f = SHAPES[shape_name]
     n_ranks = mesh.shape["expert"]
@@ -255,9 +262,7 @@ def layer_rows(mesh, shape_name, reps, impl):
     x = jnp.asarray(rng.normal(size=(b, seq, h)), jnp.bfloat16)
     ids = jnp.asarray(routing_ids(rng, b * seq, k, e).reshape(b, seq, k))
     routing = Routing(ids, jnp.asarray(rng.random((b, seq, k)) / k, jnp.float32), jnp.zeros((b, seq, e)))
-    scale = 0.02
-    experts = ExpertWeights(jnp.asarray(rng.normal(size=(e, h, 2 * f)) * scale, jnp.bfloat16),
-                            jnp.asarray(rng.normal(size=(e, f, h)) * scale, jnp.bfloat16))
+    experts = ExpertWeights(device_normal(mesh, 0, (e, h, 2 * f)), device_normal(mesh, 1, (e, f, h)))
     rows = []
     layout = lambda name: {"TURBO_MOE_DEEPEP_LAYOUT": name}  # noqa: E731
     cases = [("dense_cf", "deepep", {}), ("ragged", "ragged_all_to_all", {}),
