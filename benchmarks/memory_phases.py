@@ -32,16 +32,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from turbo_moe.data import BatchIterator, load_dataset
-    from turbo_moe.train import TrainConfig, make_optimizer
+    from turbo_moe.train import TrainConfig
     from turbo_moe.train import metrics as M
-    from turbo_moe.train.step import build_program, device_batch, make_mesh
+    from turbo_moe.train.step import device_batch, make_mesh, program_for
 
     tc = TrainConfig.from_dict({"progress": False, **json.loads(args.config)})
     cfg = tc.model_config()
     seq = tc.resolved_seq_len
     mesh = make_mesh(expert_parallel=tc.expert_parallel)
-    program = build_program(cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
-                            tc.scan_outputs_uninitialized, tc.cast_params_in_update, tc.master_weights == "split")
+    program = program_for(tc, cfg, mesh)
     record = {"config": json.loads(args.config), "provenance": provenance(), "phases": {}}
     phases = record["phases"]
     phases["start"] = device_bytes()

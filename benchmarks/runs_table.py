@@ -77,7 +77,7 @@ def _predicted_gib(tc, cfg) -> float:
 
     pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len or cfg.max_seq_len, adam_mu_dtype=tc.adam_mu_dtype,
                              adam_nu_dtype=tc.adam_nu_dtype,
-                             cast_params_in_update=getattr(tc, "cast_params_in_update", False))
+                             cast_params_in_update=tc.cast_params_in_update)
     return sum(pred.values()) / GIB
 
 

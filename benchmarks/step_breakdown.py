@@ -8,7 +8,7 @@
     # experiments/figures/step_breakdown_<device>_<config>.png):
     python3 benchmarks/step_breakdown.py analyze DIR
 
-collect: builds the train step as `turbo_moe.train.run` does (build_program, AOT compile), runs --warmup
+collect: builds the train step as `turbo_moe.train.run` does (program_for, AOT compile), runs --warmup
 steps, times --steps steps untraced, --steps under `jax.profiler`, --steps untraced again (host clock, every
 step waited for), and writes into DIR, each file as soon as it exists: meta.json (parameters, provenance, compile
 time, memory, step times), compiled_hlo.txt.gz (`compiled.as_text()`), cost_analysis.json,
@@ -73,7 +73,7 @@ def collect(args) -> Path:
     from turbo_moe.model import count_params, flops_per_token
     from turbo_moe.train import metrics as M
     from turbo_moe.train.config import TrainConfig
-    from turbo_moe.train.step import abstract_batch, build_program, device_batch, make_mesh, make_optimizer
+    from turbo_moe.train.step import abstract_batch, device_batch, make_mesh, program_for
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,8 +105,7 @@ def collect(args) -> Path:
           f"{jax.device_count()} x {jax.devices()[0].device_kind}", flush=True)
 
     mesh = make_mesh(expert_parallel=tc.expert_parallel)
-    program = build_program(cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
-                            tc.scan_outputs_uninitialized, tc.cast_params_in_update, tc.master_weights == "split")
+    program = program_for(tc, cfg, mesh)
     state = jax.block_until_ready(program.init(jax.random.key(tc.seed)))
     global_batch = tc.per_device_batch * jax.device_count()
     start = time.perf_counter()

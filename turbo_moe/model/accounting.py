@@ -75,9 +75,10 @@ def stacked_cast_params(cfg: ModelConfig) -> dict[str, int]:
     routed = other = 0
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         if path in paths:
-            size = math.prod(var.shape)
-            routed += size if "experts" in (str(p) for p in path) else 0
-            other += 0 if "experts" in (str(p) for p in path) else size
+            if "experts" in (str(p) for p in path):
+                routed += math.prod(var.shape)
+            else:
+                other += math.prod(var.shape)
     return {"routed experts": routed, "other": other}
 
 

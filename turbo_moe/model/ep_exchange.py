@@ -53,7 +53,7 @@ def deepep(local, *, axis_name: str, capacity: int | None, impl: str = NATIVE, *
     (dense | packed | ragged: a switch for side-by-side benchmarks), and the dense layout's collectives
     moe_dispatch's default unless env TURBO_MOE_DEEPEP_DENSE_VIA names them (all_gather | all_to_all | permute)."""
     layout = os.environ.get("TURBO_MOE_DEEPEP_LAYOUT", "auto")
-    dense_via = os.environ.get("TURBO_MOE_DEEPEP_DENSE_VIA")
+    dense_via = os.environ.get("TURBO_MOE_DEEPEP_DENSE_VIA", "auto")
 
     def exchange(tokens, expert_ids, combine_w, n_experts: int, ffn):
         from turbo_moe import ops
@@ -61,7 +61,7 @@ def deepep(local, *, axis_name: str, capacity: int | None, impl: str = NATIVE, *
         n_local = n_experts // jax.lax.axis_size(axis_name)
         recv_x, recv_ids, recv_w, handle = ops.moe_dispatch(
             tokens, expert_ids, combine_w, num_experts=n_experts, axis_name=axis_name, capacity=capacity,
-            layout=layout, impl=impl, **({"dense_via": dense_via} if dense_via else {}))
+            layout=layout, impl=impl, dense_via=dense_via)
         # recv_x (P*C, D): one row per (source token, this rank); recv_ids (P*C, k) local ids, -1 = none.
         per_token, computed = local(recv_x, recv_ids, recv_w, n_local, ffn)  # (P*C, D) local experts summed
         return ops.moe_combine(per_token, handle, axis_name=axis_name), computed  # (T, D)

@@ -25,7 +25,7 @@ from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.progress import RunProgress, summary_line
 from turbo_moe.train.result import RunResult
 from turbo_moe.train.step import (
-    abstract_batch, build_program, device_batch, learning_rate_schedule, make_mesh, make_optimizer, with_head_bias)
+    abstract_batch, device_batch, learning_rate_schedule, make_mesh, program_for, with_head_bias)
 
 
 class OutOfMemory(MemoryError):
@@ -91,8 +91,7 @@ class _Trainer:
         tc, history = self.tc, self.result.history
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
-        program = build_program(self.model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
-                                tc.scan_outputs_uninitialized, tc.cast_params_in_update, tc.master_weights == "split")
+        program = program_for(tc, self.model_cfg, mesh)
         # The train step compiles on abstract inputs in a second thread while the init program compiles
         # and runs: a cold start waits for the longer of the two, not their sum (NOTES, issue 12).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step") as pool:

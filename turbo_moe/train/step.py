@@ -320,6 +320,12 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     return Program(graphdef, init, train, evaluate, abstract_state, refresh)
 
 
+def program_for(tc: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Program:
+    """`build_program` with every program switch of `tc`: the one place a new switch is passed on."""
+    return build_program(model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
+                         tc.scan_outputs_uninitialized, tc.cast_params_in_update, tc.master_weights == "split")
+
+
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> dict:
     spec = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=batch_sharding(mesh))
     return {"inputs": spec, "targets": spec}
