@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# One device call on a machine of N >= 2 GPUs of one host (issue 14), each piece packed under $OUT as it ends:
-#   1. EP=2 on GPUs 0,1: benchmarks/ep_dispatch.py (exchanges at both shapes, `reduced` layer rows), while
-#      GPUs 2 and 3 (if there) each run one A/B pair of a one-GPU training config (benchmarks/train_once.py),
-#      in opposite orders: AB_A and AB_B are TrainConfig JSON files (unset: no A/B).
-#   2. EP=N on every GPU: the same benchmark with the EP-vs-one-device checks.
-#   3. With EP_TRAIN=<TrainConfig JSON file>: that training run at expert_parallel=N on every GPU, once with the
-#      default deepep layout and once packed (TURBO_MOE_DEEPEP_LAYOUT), a process each (prepared 2026-11-26, not run yet).
+# One device call on a machine of N >= 2 GPUs of one host (issue 14), each piece packed under $OUT as it ends.
+# PHASES (default "ep2 epN") names what runs, in that order:
+#   ep2      EP=2 on GPUs 0,1: benchmarks/ep_dispatch.py (exchange rows of EP_SHAPES, layer rows of
+#            EP_LAYER_SHAPES), while GPUs 2 and 3 (if there) each run the one-GPU A/B below.
+#   epN      EP=N on every GPU: the same benchmark with the EP-vs-one-device checks (EPN_CHECKS=0 skips them).
+#   train:P  the training run of EP_TRAIN (a TrainConfig JSON file) at expert_parallel=P, a process per layout
+#            of EP_TRAIN_LAYOUTS (default "auto packed", TURBO_MOE_DEEPEP_LAYOUT). Where N >= 2P the two layouts
+#            run side by side on GPUs 0..P-1 and P..2P-1, then swapped; train:1 runs the first layout on every
+#            GPU at once (the one-GPU baseline of the same call).
+# The one-GPU A/B beside ep2: AB_A and AB_B are TrainConfig JSON files (unset: none), one pair on each of GPUs 2
+# and 3 in opposite orders (AB_TWICE=1: two pairs).
 # Carry build/lead_lib (the kernels for sm_90a, see benchmarks/gpu_env.sh).
-#   bash benchmarks/multi_gpu_call.sh        (OUT set by the device tool)
+#   PHASES="train:1 train:2 train:4 ep2" EP_TRAIN=benchmarks/configs/ep_train/reduced.json \
+#     bash benchmarks/multi_gpu_call.sh
 set -u
 : "${OUT:?OUT must name the folder for the results}"
 source benchmarks/gpu_env.sh
@@ -16,46 +21,81 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 n=$(nvidia-smi -L | wc -l)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m; date -u; } >"$OUT/env.txt" 2>&1
-echo "GPUs: $n"
+echo "GPUs: $n, phases: ${PHASES:=ep2 epN}"
+LIMIT=${LIMIT:-590}  # the whole call's seconds; each process gets what is left
 
 pack() {  # pack a finished folder into $OUT (the tool brings back at most 8 files)
   tar -C /tmp/mgc -czf "$OUT/$1.tgz" "$1" 2>/dev/null
 }
-mkdir -p /tmp/mgc/ep2 /tmp/mgc/epN /tmp/mgc/ab2 /tmp/mgc/ab3
+left() { echo $((LIMIT - SECONDS)); }
+mkdir -p /tmp/mgc
 
-ab_pair() {  # ab_pair GPU FIRST SECOND: one pair of runs on one GPU, each record kept as it ends
+ab_pair() {  # ab_pair GPU FIRST SECOND ...: one-GPU runs, each record kept as it ends
   local gpu=$1 i=0
   shift
+  mkdir -p "/tmp/mgc/ab$gpu"
   for cfg in "$@"; do
     i=$((i + 1))
-    CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=true timeout 150 python3 benchmarks/train_once.py \
+    CUDA_VISIBLE_DEVICES=$gpu XLA_PYTHON_CLIENT_PREALLOCATE=true timeout "$(left)" python3 benchmarks/train_once.py \
       --out "/tmp/mgc/ab${gpu}/${i}_$(basename "$cfg" .json)" "$(cat "$cfg")" 2>&1 | grep -E '^\{"config"|Error' | tail -2
     pack "ab$gpu"
   done
 }
+ab_started=0
+start_ab() {  # the one-GPU A/B on the last two GPUs, in the background, once
+  if [ "$ab_started" = 0 ] && [ -n "${AB_A:-}" ] && [ "$n" -ge 4 ]; then
+    ab_started=1
+    local g1=$((n - 2)) g2=$((n - 1))
+    ab_pair $g1 "$AB_A" "$AB_B" ${AB_TWICE:+"$AB_A" "$AB_B"} >/tmp/mgc/ab.log.$g1 2>&1 &
+    ab_pair $g2 "$AB_B" "$AB_A" ${AB_TWICE:+"$AB_B" "$AB_A"} >/tmp/mgc/ab.log.$g2 2>&1 &
+  fi
+}
+dispatch() {  # dispatch NAME GPUS ARGS...: benchmarks/ep_dispatch.py on those GPUs, its log and CSV packed
+  local name=$1 gpus=$2
+  shift 2
+  mkdir -p "/tmp/mgc/$name"
+  CUDA_VISIBLE_DEVICES=$gpus timeout "$(left)" python3 benchmarks/ep_dispatch.py --shapes "${EP_SHAPES-dsv3,reduced}" \
+    --layer-shapes "${EP_LAYER_SHAPES-reduced}" --out "/tmp/mgc/$name/ep_dispatch.csv" "$@" >"/tmp/mgc/$name/log" 2>&1
+  echo "$name rc=$? at ${SECONDS}s"; pack "$name"
+}
+train_one() {  # train_one P GPUS LAYOUT: EP_TRAIN at expert_parallel=P on GPUS, its record kept as it ends
+  local p=$1 gpus=$2 layout=$3 cfg
+  : "${EP_TRAIN:?train phases need EP_TRAIN=<TrainConfig JSON file>}"
+  mkdir -p "/tmp/mgc/train$p"
+  cfg=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['expert_parallel'] = $p; print(json.dumps(c))" "$EP_TRAIN")
+  CUDA_VISIBLE_DEVICES=$gpus TURBO_MOE_DEEPEP_LAYOUT=$layout XLA_PYTHON_CLIENT_PREALLOCATE=true \
+    timeout "$(left)" python3 benchmarks/train_once.py --out "/tmp/mgc/train$p/${layout}_gpus${gpus//,/}" "$cfg" 2>&1 \
+    | grep -E '^\{"config"|Error' | cut -c1-600
+  echo "EP=$p training, layout $layout, GPUs $gpus, done at ${SECONDS}s"
+}
+train() {  # train P: each layout of EP_TRAIN_LAYOUTS at expert_parallel=P; with N >= 2P the layouts run side by
+  # side on disjoint groups of P GPUs, then again with the groups swapped (each layout measured on both groups)
+  local p=$1 round i
+  local groups=$((n / p)) layouts=(${EP_TRAIN_LAYOUTS:-auto packed})
+  if [ "$p" -gt 1 ] && [ "$groups" -ge 2 ] && [ "${#layouts[@]}" -ge 2 ]; then
+    for round in 0 1; do
+      for i in 0 1; do
+        train_one "$p" "$(seq -s, $((i * p)) $((i * p + p - 1)))" "${layouts[$(((i + round) % 2))]}" &
+      done
+      wait; pack "train$p"
+    done
+  elif [ "$p" = 1 ]; then  # the one-GPU baseline on every GPU at once
+    for i in $(seq 0 $((n - 1))); do train_one 1 "$i" "${layouts[0]}" & done
+    wait; pack train1
+  else
+    for layout in "${layouts[@]}"; do train_one "$p" "$(seq -s, 0 $((p - 1)))" "$layout"; pack "train$p"; done
+  fi
+}
 
-if [ "$n" -ge 4 ] && [ -n "${AB_A:-}" ]; then
-  ab_pair 2 "$AB_A" "$AB_B" ${AB_TWICE:+"$AB_A" "$AB_B"} >/tmp/mgc/ab2/log 2>&1 &
-  ab_pair 3 "$AB_B" "$AB_A" ${AB_TWICE:+"$AB_B" "$AB_A"} >/tmp/mgc/ab3/log 2>&1 &
-fi
-CUDA_VISIBLE_DEVICES=0,1 timeout "${EP2_LIMIT:-240}" python3 benchmarks/ep_dispatch.py --skip-checks \
-  --layer-shapes reduced --out /tmp/mgc/ep2/ep_dispatch.csv >/tmp/mgc/ep2/log 2>&1
-echo "EP=2 rc=$? at ${SECONDS}s"; pack ep2
+for phase in $PHASES; do
+  [ "$(left)" -gt 20 ] || { echo "no time left for $phase"; break; }
+  case $phase in
+    ep2) start_ab; dispatch ep2 0,1 --skip-checks ;;
+    epN) wait; [ "$n" -gt 2 ] && dispatch "ep$n" "$(seq -s, 0 $((n - 1)))" $([ "${EPN_CHECKS:-1}" = 0 ] && echo --skip-checks) ;;
+    train:*) wait; train "${phase#train:}" ;;
+    *) echo "unknown phase $phase (expected ep2, epN or train:P)" ;;
+  esac
+done
 wait
-echo "A/B done at ${SECONDS}s"
-cat /tmp/mgc/ab2/log /tmp/mgc/ab3/log 2>/dev/null
-if [ "$n" -gt 2 ]; then
-  timeout "${EPN_LIMIT:-$((585 - SECONDS))}" python3 benchmarks/ep_dispatch.py --layer-shapes reduced \
-    --out /tmp/mgc/epN/ep_dispatch.csv >/tmp/mgc/epN/log 2>&1
-  echo "EP=$n rc=$? at ${SECONDS}s"; pack epN
-fi
-if [ -n "${EP_TRAIN:-}" ] && [ "$n" -ge 2 ]; then
-  mkdir -p /tmp/mgc/epT
-  for layout in auto packed; do
-    cfg=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['expert_parallel'] = $n; print(json.dumps(c))" "$EP_TRAIN")
-    TURBO_MOE_DEEPEP_LAYOUT=$layout XLA_PYTHON_CLIENT_PREALLOCATE=true timeout "$((590 - SECONDS))" \
-      python3 benchmarks/train_once.py --out "/tmp/mgc/epT/$layout" "$cfg" 2>&1 | grep -E '^\{"config"|Error' | cut -c1-600
-    echo "EP=$n training, layout $layout, done at ${SECONDS}s"; pack epT
-  done
-fi
-grep -E "x the all_to_all|layer|check|failed" /tmp/mgc/ep2/log /tmp/mgc/epN/log | cut -c1-150
+cat /tmp/mgc/ab.log.* 2>/dev/null
+for f in /tmp/mgc/*/log; do [ -f "$f" ] && grep -E "x the all_to_all|layer|check|failed" "$f" | cut -c1-150; done
