@@ -26,7 +26,8 @@ LEAF_SCOPES = ("permute", "unpermute", "grouped_gemm", "swiglu", "routed_experts
                "attention", "dense_ffn", "embedding", "lm_head", "loss", "optimizer")
 CATEGORY_OF_SCOPE = {"lm_head": "lm_head+loss", "loss": "lm_head+loss"}
 CATEGORIES = ("embedding", "attention", "router", "permute", "grouped_gemm", "swiglu", "unpermute",
-              "routed_experts", "shared_expert", "dense_ffn", "lm_head+loss", "mtp", "optimizer", "other")
+              "routed_experts", "shared_expert", "dense_ffn", "lm_head+loss", "mtp", "optimizer", "collective",
+              "other")
 PHASES = ("fwd", "bwd", "bwd_remat", "update", "none")
 COLLECTIVE_OPCODES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                       "ragged-all-to-all", "send", "recv", "collective-broadcast")
@@ -126,7 +127,9 @@ def parse_hlo(text: str) -> dict[str, HloInstr]:
 
 def categorize(op_name: str, opcode: str = "") -> tuple[str, str, str]:
     """op_name path -> (category, phase, detail). detail: the innermost scope under "mtp" ("mtp/attention"),
-    or for "other" why ("collective", "copy", "unlabelled")."""
+    for "other" why ("copy", "unlabelled"). Collectives (several devices: the expert-parallel exchange, FSDP's
+    gathers, gradient reductions) are the category "collective" wherever they sit, with the scope they serve as
+    detail ("routed_experts", "mtp/attention", "optimizer", "unscoped")."""
     words = _WORD.findall(op_name)
     in_mtp = "mtp" in words
     leaf = ""
@@ -141,14 +144,15 @@ def categorize(op_name: str, opcode: str = "") -> tuple[str, str, str]:
         phase = "fwd"
     else:
         phase = "none"
+    base = opcode.split("-start")[0].split("-done")[0]
+    if opcode in COLLECTIVE_OPCODES or base in COLLECTIVE_OPCODES:
+        scope = CATEGORY_OF_SCOPE.get(leaf, leaf) or "unscoped"
+        return "collective", phase, ("mtp/" + scope) if in_mtp else scope
     if in_mtp:
         return "mtp", phase, "mtp/" + (CATEGORY_OF_SCOPE.get(leaf, leaf) or "unscoped")
     if leaf:
         category = CATEGORY_OF_SCOPE.get(leaf, leaf)
         return category, phase, category
-    base = opcode.split("-start")[0].split("-done")[0]
-    if opcode in COLLECTIVE_OPCODES or base in COLLECTIVE_OPCODES:
-        return "other", phase, "collective"
     if opcode in COPY_OPCODES:
         return "other", phase, "copy"
     return "other", phase, "unlabelled"

@@ -4,10 +4,13 @@
 #   ep2      EP=2 on GPUs 0,1: benchmarks/ep_dispatch.py (exchange rows of EP_SHAPES, layer rows of
 #            EP_LAYER_SHAPES), while GPUs 2 and 3 (if there) each run the one-GPU A/B below.
 #   epN      EP=N on every GPU: the same benchmark with the EP-vs-one-device checks (EPN_CHECKS=0 skips them).
-#   train:P  the training run of EP_TRAIN (a TrainConfig JSON file) at expert_parallel=P, a process per layout
-#            of EP_TRAIN_LAYOUTS (default "auto packed", TURBO_MOE_DEEPEP_LAYOUT). Where N >= 2P the two layouts
-#            run side by side on GPUs 0..P-1 and P..2P-1, then swapped; train:1 runs the first layout on every
-#            GPU at once (the one-GPU baseline of the same call).
+#   train:P  the training run of EP_TRAIN (a TrainConfig JSON file) at expert_parallel=P, a process per
+#            variant of EP_TRAIN_VARIANTS (default "auto packed"): a bare word is a deepep layout
+#            (TURBO_MOE_DEEPEP_LAYOUT), "label:K=V,K=V" sets those environment variables. Where N >= 2P the
+#            variants run side by side on GPUs 0..P-1 and P..2P-1, round-robin, each once on each group;
+#            train:1 runs the first variant on every GPU at once (the one-GPU baseline of the same call).
+#   breakdown:P  benchmarks/step_breakdown.py collect of EP_TRAIN at expert_parallel=P on GPUs 0..P-1 (a
+#            profiler trace; BREAKDOWN_ENV="K=V ..." for its environment).
 # The one-GPU A/B beside ep2: AB_A and AB_B are TrainConfig JSON files (unset: none), one pair on each of GPUs 2
 # and 3 in opposite orders (AB_TWICE=1: two pairs).
 # Carry build/lead_lib (the kernels for sm_90a, see benchmarks/gpu_env.sh).
@@ -58,33 +61,61 @@ dispatch() {  # dispatch NAME GPUS ARGS...: benchmarks/ep_dispatch.py on those G
     --layer-shapes "${EP_LAYER_SHAPES-reduced}" --out "/tmp/mgc/$name/ep_dispatch.csv" "$@" >"/tmp/mgc/$name/log" 2>&1
   echo "$name rc=$? at ${SECONDS}s"; pack "$name"
 }
-train_one() {  # train_one P GPUS LAYOUT: EP_TRAIN at expert_parallel=P on GPUS, its record kept as it ends
-  local p=$1 gpus=$2 layout=$3 cfg
+variant_env() {  # variant_env WORD: "label:K=V,K=V" -> "K=V K=V"; a bare word is a deepep layout
+  case $1 in
+    *:*) echo "${1#*:}" | tr ',' ' ' ;;
+    *) echo "TURBO_MOE_DEEPEP_LAYOUT=$1" ;;
+  esac
+}
+train_one() {  # train_one P GPUS VARIANT: EP_TRAIN at expert_parallel=P on GPUS, its record kept as it ends
+  local p=$1 gpus=$2 variant=$3 cfg
   : "${EP_TRAIN:?train phases need EP_TRAIN=<TrainConfig JSON file>}"
   mkdir -p "/tmp/mgc/train$p"
   cfg=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['expert_parallel'] = $p; print(json.dumps(c))" "$EP_TRAIN")
-  CUDA_VISIBLE_DEVICES=$gpus TURBO_MOE_DEEPEP_LAYOUT=$layout XLA_PYTHON_CLIENT_PREALLOCATE=true \
-    timeout "$(left)" python3 benchmarks/train_once.py --out "/tmp/mgc/train$p/${layout}_gpus${gpus//,/}" "$cfg" 2>&1 \
+  env $(variant_env "$variant") CUDA_VISIBLE_DEVICES=$gpus XLA_PYTHON_CLIENT_PREALLOCATE=true \
+    timeout "$(left)" python3 benchmarks/train_once.py --out "/tmp/mgc/train$p/${variant%%:*}_gpus${gpus//,/}" "$cfg" 2>&1 \
     | grep -E '^\{"config"|Error' | cut -c1-600
-  echo "EP=$p training, layout $layout, GPUs $gpus, done at ${SECONDS}s"
+  echo "EP=$p training, $variant, GPUs $gpus, done at ${SECONDS}s"
 }
-train() {  # train P: each layout of EP_TRAIN_LAYOUTS at expert_parallel=P; with N >= 2P the layouts run side by
-  # side on disjoint groups of P GPUs, then again with the groups swapped (each layout measured on both groups)
+train() {  # train P: each variant of EP_TRAIN_VARIANTS at expert_parallel=P; with N >= 2P two groups of P GPUs
+  # run side by side, round-robin, so that each variant runs once on each group (two variants: two rounds)
   local p=$1 round i
-  local groups=$((n / p)) layouts=(${EP_TRAIN_LAYOUTS:-auto packed})
-  if [ "$p" -gt 1 ] && [ "$groups" -ge 2 ] && [ "${#layouts[@]}" -ge 2 ]; then
-    for round in 0 1; do
+  local groups=$((n / p)) variants=(${EP_TRAIN_VARIANTS:-auto packed})
+  local nv=${#variants[@]}
+  if [ "$p" -gt 1 ] && [ "$groups" -ge 2 ] && [ "$nv" -ge 2 ]; then
+    for round in $(seq 0 $((nv - 1))); do
       for i in 0 1; do
-        train_one "$p" "$(seq -s, $((i * p)) $((i * p + p - 1)))" "${layouts[$(((i + round) % 2))]}" &
+        train_one "$p" "$(seq -s, $((i * p)) $((i * p + p - 1)))" "${variants[$(((i + round) % nv))]}" &
       done
       wait; pack "train$p"
     done
   elif [ "$p" = 1 ]; then  # the one-GPU baseline on every GPU at once
-    for i in $(seq 0 $((n - 1))); do train_one 1 "$i" "${layouts[0]}" & done
+    for i in $(seq 0 $((n - 1))); do train_one 1 "$i" "${variants[0]}" & done
     wait; pack train1
   else
-    for layout in "${layouts[@]}"; do train_one "$p" "$(seq -s, 0 $((p - 1)))" "$layout"; pack "train$p"; done
+    for variant in "${variants[@]}"; do train_one "$p" "$(seq -s, 0 $((p - 1)))" "$variant"; pack "train$p"; done
   fi
+}
+breakdown() {  # breakdown P: benchmarks/step_breakdown.py collect of EP_TRAIN at expert_parallel=P (traced)
+  local p=$1 args
+  mapfile -t args < <(python3 - "$EP_TRAIN" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+model = c.pop("model"); over = c.pop("model_overrides", {}); path = over.pop("moe_path", None)
+for key in ("dataset", "per_device_batch", "seq_len", "steps", "warmup_steps", "log_every", "eval_every",
+            "eval_batches", "seed", "progress", "expert_parallel"):
+    c.pop(key, None)
+print("--model"); print(model); print("--model-overrides"); print(json.dumps(over))
+print("--train-overrides"); print(json.dumps(c))
+if path: print("--moe-path"); print(path)
+PY
+)
+  mkdir -p "/tmp/mgc/breakdown$p"
+  env ${BREAKDOWN_ENV:-} CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((p - 1)))" XLA_PYTHON_CLIENT_PREALLOCATE=true \
+    timeout "$(left)" python3 benchmarks/step_breakdown.py collect --out "/tmp/mgc/breakdown$p/ep$p" \
+    "${args[@]}" --per-device-batch 8 --seq-len 2048 --expert-parallel "$p" --warmup 10 --steps 5 \
+    >"/tmp/mgc/breakdown$p/log" 2>&1
+  echo "breakdown EP=$p rc=$? at ${SECONDS}s"; tail -2 "/tmp/mgc/breakdown$p/log"; pack "breakdown$p"
 }
 
 for phase in $PHASES; do
@@ -93,7 +124,8 @@ for phase in $PHASES; do
     ep2) start_ab; dispatch ep2 0,1 --skip-checks ;;
     epN) wait; [ "$n" -gt 2 ] && dispatch "ep$n" "$(seq -s, 0 $((n - 1)))" $([ "${EPN_CHECKS:-1}" = 0 ] && echo --skip-checks) ;;
     train:*) wait; train "${phase#train:}" ;;
-    *) echo "unknown phase $phase (expected ep2, epN or train:P)" ;;
+    breakdown:*) wait; breakdown "${phase#breakdown:}" ;;
+    *) echo "unknown phase $phase (expected ep2, epN, train:P or breakdown:P)" ;;
   esac
 done
 wait

@@ -182,6 +182,11 @@ def breakdown(run_dir: Path) -> dict:
         events = tcat.read_events_csv(run_dir / "device_events.csv.gz")
     else:
         events = tcat.device_events(tcat.load_trace_json(run_dir / "trace.json.gz"))
+    # Several devices (expert parallelism): each runs the same program; one device's events, not their mix
+    devices = sorted({e["process"] for e in events if e["process"].startswith("/device:")},
+                     key=lambda name: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)])
+    if len(devices) > 1:
+        events = [e for e in events if e["process"] == devices[0]]
     module = tcat.main_module(events)
     foreign = collections.Counter(e["hlo_module"] for e in events if e["hlo_module"] not in ("", module))
     events = [e for e in events if e["hlo_module"] in ("", module)]
@@ -218,6 +223,7 @@ def breakdown(run_dir: Path) -> dict:
     category_of = {r["hlo_op"]: r["category"] for r in ops}
     custom_calls = collections.Counter(m.group(1) for m in re.finditer(r'custom_call_target="([^"]+)"', hlo_text))
     return {"meta": meta, "module": module, "foreign_modules": dict(foreign), "n_steps": n_steps,
+            "device_shown": devices[0] if devices else "", "devices_traced": len(devices),
             "rows": [(c, p, d, ms) for (c, p, d), ms in agg.items()], "ops": ops,
             "busy_ms": union / 1e3 / n_steps, "unmatched_ms": unmatched / 1e3 / n_steps,
             "step_ms": meta["step_time_s_traced"] * 1e3, "step_ms_untraced": meta["step_time_s_untraced"] * 1e3,
@@ -370,6 +376,8 @@ def analyze(args) -> dict:
           f"device span {b['span_ms']:.3f} ms, events not found in the HLO {b['unmatched_ms']:.3f} ms")
     if b["foreign_modules"]:
         print(f"excluded events of other modules: {b['foreign_modules']}")
+    if b["devices_traced"] > 1:
+        print(f"{b['devices_traced']} devices traced; the table is {b['device_shown']}'s")
     other = sorted(((d, ms) for c, p, d, ms in b["rows"] if c in ("other", "mtp")), key=lambda t: -t[1])
     detail = collections.Counter()
     for d, ms in other:

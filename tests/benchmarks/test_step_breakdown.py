@@ -3,7 +3,9 @@ the exclusive-time attribution, on small handmade HLO and trace snippets (the en
 train step: minutes on the CPU, so it is not a test)."""
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -70,7 +72,9 @@ def test_parse_hlo_metadata_opcodes_and_fusion_majority():
     ("jit(train_step)/transpose(jvp(mtp))/moe/routed_experts/swiglu/jit(silu)/mul", "", ("mtp", "bwd")),
     ("jit(train_step)/optimizer/add", "", ("optimizer", "update")),
     ("jit(train_step)/jvp()/while/body/jit(dynamic_index_in_dim)/dynamic_slice", "fusion", ("other", "fwd")),
-    ("", "all-reduce-start", ("other", "none")),
+    ("", "all-reduce-start", ("collective", "none")),
+    ("jit(train_step)/transpose(jvp())/while/body/closed_call/checkpoint/moe/routed_experts/shard_map/ppermute",
+     "collective-permute-start", ("collective", "bwd")),
 ])
 def test_categorize(op_name, opcode, expected):
     assert tcat.categorize(op_name, opcode)[:2] == expected
@@ -78,7 +82,10 @@ def test_categorize(op_name, opcode, expected):
 
 def test_categorize_details():
     assert tcat.categorize("jit(train_step)/jvp(mtp)/attention/mul")[2] == "mtp/attention"
-    assert tcat.categorize("", "all-gather")[2] == "collective"
+    assert tcat.categorize("", "all-gather")[2] == "unscoped"
+    assert tcat.categorize("jit(train_step)/jvp()/while/body/closed_call/moe/routed_experts/shard_map/ppermute",
+                           "collective-permute")[2] == "routed_experts"
+    assert tcat.categorize("jit(train_step)/jvp(mtp)/attention/all_gather", "all-gather-start")[2] == "mtp/attention"
     assert tcat.categorize("", "copy")[2] == "copy"
     assert tcat.categorize("jit(train_step)/jvp(jit(log_softmax))/exp")[2] == "unlabelled"
 
@@ -180,3 +187,26 @@ def test_gaps_are_charged_to_the_kernel_that_ends_them():
     gaps = sb._gaps_before(events, lambda e: cats[e["hlo_op"]], n_steps=2)
     assert gaps == pytest.approx({"between_steps": 2.5 / 2, "attention": 0.010 / 2, "grouped_gemm": 0.004 / 2})
     assert sb._gaps_before([], lambda e: "x", n_steps=1) == {}
+
+
+def test_breakdown_of_several_devices_reads_one(tmp_path):
+    """Two GPUs (expert parallelism) run the same program: the table is the first device's, not their sum."""
+    hlo = ("HloModule jit_train_step\n\nENTRY %main {\n"
+           '  %fusion.1 = f32[8]{0} fusion(), kind=kLoop, metadata={op_name="jit(train_step)/jvp()/attention/mul"}\n'
+           '  %collective-permute-start.2 = f32[8]{0} collective-permute-start(), '
+           'metadata={op_name="jit(train_step)/jvp()/moe/routed_experts/shard_map/ppermute"}\n}\n')
+    with gzip.open(tmp_path / "compiled_hlo.txt.gz", "wt") as fp:
+        fp.write(hlo)
+    events = []
+    for dev in (0, 1, 10):
+        for op, ts, dur in (("fusion.1", 0.0, 300.0), ("collective-permute-start.2", 300.0, 100.0 * (dev + 1))):
+            events.append({"process": f"/device:GPU:{dev}", "line": "Stream #1", "name": op, "hlo_op": op,
+                           "hlo_module": "jit_train_step", "label": "", "ts_us": ts, "dur_us": dur})
+    tcat.write_events_csv(events, tmp_path / "device_events.csv.gz")
+    (tmp_path / "meta.json").write_text(json.dumps({"traced_step_times_s": [0.001], "step_time_s_traced": 0.001,
+                                                    "step_time_s_untraced": 0.001}))
+    b = _step_breakdown_module().breakdown(tmp_path)
+    assert (b["devices_traced"], b["device_shown"]) == (3, "/device:GPU:0")
+    per = {(c, d): ms for c, _, d, ms in b["rows"]}
+    assert per == {("attention", "attention"): pytest.approx(0.3), ("collective", "routed_experts"): pytest.approx(0.1)}
+    assert b["busy_ms"] == pytest.approx(0.4)

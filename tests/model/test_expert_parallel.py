@@ -377,3 +377,41 @@ def test_train_step_with_expert_parallel_matches_data_parallel():
         state, metrics = program.train(state, sharded_batch)
         results.append((metrics, state.params))
     assert_close(results[1], results[0], "one AdamW step, EP=2 vs EP=1")
+
+
+@requires_turbo
+def test_policy_saves_what_the_dispatch_received(monkeypatch):
+    """Under remat_policy "dots_experts_attention" the backward pass reads the rows, ids and weights deepep's
+    dispatch delivered (saved) instead of running the dispatch's collectives again; the gradients are the same
+    as with the dispatch run again (TURBO_MOE_EP_SAVE_RECEIVED=0)."""
+    from flax import nnx
+
+    from tests.model.conftest import micro_config
+    from turbo_moe.model import DeepSeekModel, lm_loss
+    from turbo_moe.train.step import batch_sharding, make_mesh, state_shardings
+
+    mesh = make_mesh(jax.devices()[:4], expert_parallel=2)
+    cfg = micro_config(moe_path="turbo", dtype="float32", ep_exchange="deepep", remat_policy="dots_experts_attention")
+    graphdef, params, extra = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    rng = np.random.default_rng(0)
+    batch = {name: jnp.asarray(rng.integers(0, cfg.vocab_size, (8, cfg.max_seq_len)), jnp.int32)
+             for name in ("inputs", "targets")}
+    sharded = jax.device_put((params, extra), state_shardings((params, extra), mesh))
+    batch = jax.device_put(batch, batch_sharding(mesh))
+
+    def run(save: str):
+        monkeypatch.setenv("TURBO_MOE_EP_SAVE_RECEIVED", save)  # read while tracing: a new function each time
+
+        def grads(params, extra, batch):
+            return jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p, extra), batch)[0])(params)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            compiled = jax.jit(grads).lower(*sharded, batch).compile()
+        remat_collectives = re.findall(r"= [^\n]*(?:collective-permute|all-gather|all-to-all)(?:-start)?\([^\n]*"
+                                       r"rematted_computation[^\n]*shard_map", compiled.as_text())
+        return len(remat_collectives), compiled(*sharded, batch)
+
+    saved_count, saved_grads = run("1")
+    rebuilt_count, rebuilt_grads = run("0")
+    assert rebuilt_count > 0, "the dispatch was not run again without the save: the test shows nothing"
+    assert saved_count == 0, f"{saved_count} of the dispatch's collectives run again in the backward pass"
+    assert_close(saved_grads, rebuilt_grads, "saved vs rebuilt dispatch", tolerance=dict(rtol=1e-6, atol=1e-7))

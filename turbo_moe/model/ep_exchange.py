@@ -19,8 +19,15 @@ import os
 import jax
 import jax.numpy as jnp
 
+from turbo_moe.model.experts import saved
 from turbo_moe.ops.ragged_exchange import NATIVE, exchange_plan, ragged_exchange, received_local_expert
 from turbo_moe.ops.varying import make_varying, varying_axes
+
+# What deepep's dispatch delivered (rows, local ids, weights), named for the remat policies: the policy
+# "dots_experts_attention" saves it, so the backward pass does not run the dispatch's collectives again
+# (the expert block's backward copies its rows from these). Env TURBO_MOE_EP_SAVE_RECEIVED=0 leaves it
+# unnamed: a switch for side-by-side benchmarks (experiments/NOTES.md, issue 14).
+EP_RECEIVED_NAME = "moe_ep_received"
 
 
 def ragged_all_to_all(local, *, axis_name: str, impl: str, **_):
@@ -54,6 +61,7 @@ def deepep(local, *, axis_name: str, capacity: int | None, impl: str = NATIVE, *
     moe_dispatch's default unless env TURBO_MOE_DEEPEP_DENSE_VIA names them (all_gather | all_to_all | permute)."""
     layout = os.environ.get("TURBO_MOE_DEEPEP_LAYOUT", "auto")
     dense_via = os.environ.get("TURBO_MOE_DEEPEP_DENSE_VIA", "auto")
+    save_received = os.environ.get("TURBO_MOE_EP_SAVE_RECEIVED", "1") != "0"
 
     def exchange(tokens, expert_ids, combine_w, n_experts: int, ffn):
         from turbo_moe import ops
@@ -63,6 +71,8 @@ def deepep(local, *, axis_name: str, capacity: int | None, impl: str = NATIVE, *
             tokens, expert_ids, combine_w, num_experts=n_experts, axis_name=axis_name, capacity=capacity,
             layout=layout, impl=impl, dense_via=dense_via)
         # recv_x (P*C, D): one row per (source token, this rank); recv_ids (P*C, k) local ids, -1 = none.
+        if save_received:
+            recv_x, recv_ids, recv_w = (saved(t, EP_RECEIVED_NAME) for t in (recv_x, recv_ids, recv_w))
         per_token, computed = local(recv_x, recv_ids, recv_w, n_local, ffn)  # (P*C, D) local experts summed
         return ops.moe_combine(per_token, handle, axis_name=axis_name), computed  # (T, D)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.ep_exchange import EP_RECEIVED_NAME
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, RoutedExperts
 from turbo_moe.model.layers import ATTENTION_SAVE_NAME, MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
@@ -44,7 +45,8 @@ REMAT_POLICIES = {
     "dots_experts_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES, *ROUTING_SAVE_NAMES, ATTENTION_SAVE_NAME),
+            jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVE_NAMES, *ROUTING_SAVE_NAMES, ATTENTION_SAVE_NAME,
+                                                          EP_RECEIVED_NAME),
             _cudnn_attention_outputs)),
 }
 
