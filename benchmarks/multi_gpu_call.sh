@@ -102,8 +102,9 @@ breakdown() {  # breakdown P: benchmarks/step_breakdown.py collect of EP_TRAIN a
 import json, sys
 c = json.load(open(sys.argv[1]))
 model = c.pop("model"); over = c.pop("model_overrides", {}); path = over.pop("moe_path", None)
-for key in ("dataset", "per_device_batch", "seq_len", "steps", "warmup_steps", "log_every", "eval_every",
-            "eval_batches", "seed", "progress", "expert_parallel"):
+print("--per-device-batch"); print(c.pop("per_device_batch", 8)); print("--seq-len"); print(c.pop("seq_len", 2048))
+for key in ("dataset", "steps", "warmup_steps", "log_every", "eval_every", "eval_batches", "seed", "progress",
+            "expert_parallel"):
     c.pop(key, None)
 print("--model"); print(model); print("--model-overrides"); print(json.dumps(over))
 print("--train-overrides"); print(json.dumps(c))
@@ -113,7 +114,7 @@ PY
   mkdir -p "/tmp/mgc/breakdown$p"
   env ${BREAKDOWN_ENV:-} CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((p - 1)))" XLA_PYTHON_CLIENT_PREALLOCATE=true \
     timeout "$(left)" python3 benchmarks/step_breakdown.py collect --out "/tmp/mgc/breakdown$p/ep$p" \
-    "${args[@]}" --per-device-batch 8 --seq-len 2048 --expert-parallel "$p" --warmup 10 --steps 5 \
+    "${args[@]}" --expert-parallel "$p" --warmup "${BREAKDOWN_WARMUP:-10}" --steps 5 \
     >"/tmp/mgc/breakdown$p/log" 2>&1
   echo "breakdown EP=$p rc=$? at ${SECONDS}s"; tail -2 "/tmp/mgc/breakdown$p/log"; pack "breakdown$p"
 }
