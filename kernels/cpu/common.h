@@ -45,6 +45,12 @@ inline std::vector<int64_t> group_starts(const int32_t* sizes, int64_t num_group
   return starts;
 }
 
+// ---- rows past the groups -----------------------------------------------------------------------
+// The memset byte of the rows that belong to no group: 0, or 0xFF (NaN in float32, bfloat16 and float16) where the
+// caller passed zero_tail=false, i.e. promised to read only group rows. The CUDA handlers leave such rows
+// unwritten; here they are poisoned, so a reader that breaks the promise shows NaN in the CPU tests.
+inline int tail_fill(bool zero_tail) { return zero_tail ? 0 : 0xFF; }
+
 // ---- parallel_for on XLA's intra-op pool -------------------------------------------------------
 // The caller works too and only waits for helpers that actually started, so the loop finishes
 // even when every pool thread is busy elsewhere (no deadlock when called from a pool thread).

@@ -23,7 +23,8 @@ const GemmScratch& thread_scratch(const GemmKernels& k) {
 }  // namespace
 
 ffi::Error run_grouped_gemm(ffi::ThreadPool* pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                            ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, bool transpose_rhs) {
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, bool transpose_rhs, bool zero_tail,
+                            std::vector<int64_t>* totals_out) {
   Dtype in_dt, out_dt;
   if (!to_dtype(lhs.element_type(), &in_dt) || rhs.element_type() != lhs.element_type())
     return invalid("grouped_gemm: lhs and rhs must share one dtype of float32/bfloat16/float16");
@@ -63,9 +64,10 @@ ffi::Error run_grouped_gemm(ffi::ThreadPool* pool, ffi::AnyBuffer lhs, ffi::AnyB
   parallel_for(pool, static_cast<int64_t>(tiles.size()) * n_blocks, [&](int64_t item) {
     kern.fwd_item(args, item, thread_scratch(kern));
   });
-  // Rows that belong to no group are defined as zero (never left uninitialised).
+  // Rows that belong to no group: zero, or NaN where the caller promised not to read them.
   for (int64_t b = 0; b < batch; ++b)
-    std::memset(out_p + (b * M + totals[b]) * N * out_w, 0, (M - totals[b]) * N * out_w);
+    std::memset(out_p + (b * M + totals[b]) * N * out_w, tail_fill(zero_tail), (M - totals[b]) * N * out_w);
+  if (totals_out) *totals_out = totals;
   return ffi::Error::Success();
 }
 
@@ -74,8 +76,8 @@ namespace {
 ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/,
-                           bool transpose_rhs) {
-  return run_grouped_gemm(&pool, lhs, rhs, group_sizes, *out, transpose_rhs);
+                           bool transpose_rhs, bool zero_tail) {
+  return run_grouped_gemm(&pool, lhs, rhs, group_sizes, *out, transpose_rhs, zero_tail);
 }
 
 ffi::Error GroupedGemmWeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
@@ -127,7 +129,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
                                   .Ret<xla::ffi::AnyBuffer>()                 // out [..., M, N]
                                   .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
-                                  .Attr<bool>("transpose_rhs"));
+                                  .Attr<bool>("transpose_rhs")
+                                  .Attr<bool>("zero_tail"));                  // false: rows past the groups NaN
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,
                               xla::ffi::Ffi::Bind()

@@ -16,7 +16,7 @@ ffi::Error GroupedGemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::
                                  ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> h,
                                  ffi::Result<ffi::AnyBuffer> act,
                                  ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/,
-                                 bool transpose_rhs) {
+                                 bool transpose_rhs, bool zero_tail) {
   Dtype dt;
   if (!to_dtype(h->element_type(), &dt) || act->element_type() != h->element_type())
     return invalid("grouped_gemm_swiglu: h and act must share one dtype of float32/bfloat16/float16");
@@ -28,16 +28,21 @@ ffi::Error GroupedGemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::
   for (int64_t i = 0; i + 1 < rank; ++i)
     if (ad[i] != hd[i]) return invalid("grouped_gemm_swiglu: h and act must share their leading dims");
   if (hd[rank - 1] != 2 * F) return invalid("grouped_gemm_swiglu: h must be [..., M, 2F] for act [..., M, F]");
-  if (auto err = run_grouped_gemm(&pool, lhs, rhs, group_sizes, *h, transpose_rhs); err.failure()) return err;
+  std::vector<int64_t> totals;
+  if (auto err = run_grouped_gemm(&pool, lhs, rhs, group_sizes, *h, transpose_rhs, zero_tail, &totals);
+      err.failure())
+    return err;
 
-  const int64_t rows = leading_product(hd, 1);  // every row: rows past the groups are zero, and so is their act
+  const int64_t batch = leading_product(hd, 2), M = hd[rank - 2];
   const char* h_p = static_cast<const char*>(h->untyped_data());
   char* act_p = static_cast<char*>(act->untyped_data());
   const int64_t w = byte_width(dt);
   constexpr int64_t kRowsPerItem = 64;
-  parallel_for(&pool, (rows + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+  const int64_t items = (M + kRowsPerItem - 1) / kRowsPerItem;
+  parallel_for(&pool, batch * items, [&](int64_t item) {  // act of the group rows, from h as stored
+    const int64_t b = item / items, first = (item % items) * kRowsPerItem;
     std::vector<float> in(2 * F), out(F);
-    for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r) {
+    for (int64_t r = b * M + first; r < b * M + std::min(totals[b], first + kRowsPerItem); ++r) {
       load_f32(dt, h_p + r * 2 * F * w, 2 * F, in.data());
       for (int64_t j = 0; j < F; ++j) {
         const float g = in[j];
@@ -46,6 +51,9 @@ ffi::Error GroupedGemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::
       store_f32(dt, out.data(), F, act_p + r * F * w);
     }
   });
+  // Rows past the groups: zeros (SwiGLU of h's zero rows), or NaN like h's when !zero_tail.
+  for (int64_t b = 0; b < batch; ++b)
+    std::memset(act_p + (b * M + totals[b]) * F * w, tail_fill(zero_tail), (M - totals[b]) * F * w);
   return ffi::Error::Success();
 }
 
@@ -61,4 +69,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_swiglu, turbo_moe::GroupedG
                                   .Ret<xla::ffi::AnyBuffer>()                 // h [..., M, 2F]
                                   .Ret<xla::ffi::AnyBuffer>()                 // act [..., M, F]
                                   .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
-                                  .Attr<bool>("transpose_rhs"));
+                                  .Attr<bool>("transpose_rhs")
+                                  .Attr<bool>("zero_tail"));                  // false: rows past the groups NaN

@@ -12,9 +12,9 @@ namespace turbo_moe {
 namespace {
 
 // The copy step of both handlers: x_sorted[row_index[b, t, j]] = x[b, t] for rows in [0, T*k) (rows in parallel
-// over chunks of tokens), then each batch's rows from valid[b] on zeroed.
+// over chunks of tokens), then each batch's rows from valid[b] on zeroed (NaN when !zero_tail: see tail_fill).
 void copy_rows(ffi::ThreadPool& pool, const char* x_p, const int32_t* row_p, char* xs_p, int64_t batch, int64_t T,
-               int64_t k, int64_t row, const std::vector<int64_t>& valid) {
+               int64_t k, int64_t row, const std::vector<int64_t>& valid, bool zero_tail) {
   const int64_t slots = T * k;
   constexpr int64_t kChunk = 256;  // tokens per parallel work item
   const int64_t chunks = (T + kChunk - 1) / kChunk;
@@ -28,14 +28,15 @@ void copy_rows(ffi::ThreadPool& pool, const char* x_p, const int32_t* row_p, cha
   });
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t begin = std::min(valid[b], slots);
-    std::memset(xs_p + (b * slots + begin) * row, 0, (slots - begin) * row);
+    std::memset(xs_p + (b * slots + begin) * row, tail_fill(zero_tail), (slots - begin) * row);
   }
 }
 
 ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                        ffi::Result<ffi::Buffer<ffi::S32>> row_index,
-                       ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/, int64_t num_experts) {
+                       ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/, int64_t num_experts,
+                       bool zero_tail) {
   Dtype dt;
   if (!to_dtype(x.element_type(), &dt) || x_sorted->element_type() != x.element_type())
     return invalid("permute: x must be float32/bfloat16/float16 and x_sorted the same dtype");
@@ -71,12 +72,12 @@ ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
       row_p[b * slots + s] = (e >= 0 && e < E) ? static_cast<int32_t>(next[e]++) : -1;
     }
   }
-  copy_rows(pool, x_p, row_p, xs_p, batch, T, k, H * w, valid);
+  copy_rows(pool, x_p, row_p, xs_p, batch, T, k, H * w, valid, zero_tail);
   return ffi::Error::Success();
 }
 
 ffi::Error PermuteRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_index,
-                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> x_sorted) {
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> x_sorted, bool zero_tail) {
   Dtype dt;
   if (!to_dtype(x.element_type(), &dt) || x_sorted->element_type() != x.element_type())
     return invalid("permute_rows: x must be float32/bfloat16/float16 and x_sorted the same dtype");
@@ -92,7 +93,7 @@ ffi::Error PermuteRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   std::vector<int64_t> totals(batch, 0);
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t e = 0; e < E; ++e) totals[b] += std::max<int32_t>(group_sizes.typed_data()[b * E + e], 0);
-  copy_rows(pool, x_p, row_index.typed_data(), xs_p, batch, T, k, row, totals);
+  copy_rows(pool, x_p, row_index.typed_data(), xs_p, batch, T, k, row, totals, zero_tail);
   return ffi::Error::Success();
 }
 
@@ -105,7 +106,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute_rows, turbo_moe::PermuteRowsImpl
                                   .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
-                                  .Ret<xla::ffi::AnyBuffer>());               // x_sorted [..., T*k, H]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
+                                  .Attr<bool>("zero_tail"));                  // false: rows past the groups NaN
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
                               xla::ffi::Ffi::Bind()
@@ -116,4 +118,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
                                   .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
-                                  .Attr<int64_t>("num_experts"));
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<bool>("zero_tail"));                  // false: rows past the groups NaN

@@ -62,7 +62,7 @@ ffi::Error carve_workspace(ffi::AnyBuffer workspace,
 
 ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, ffi::AnyBuffer workspace,
-                            bool transpose_rhs, const int32_t** offsets) {
+                            bool transpose_rhs, bool zero_tail, const int32_t** offsets) {
   if (offsets) *offsets = nullptr;
   if (!is_float_type(lhs.element_type()) || rhs.element_type() != lhs.element_type())
     return invalid("grouped_gemm: lhs and rhs must share one dtype of float32/bfloat16/float16");
@@ -88,6 +88,7 @@ ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuf
   a.rhs = rhs.untyped_data();
   a.out = out.untyped_data();
   a.transpose_rhs = transpose_rhs;
+  a.zero_tail = zero_tail;
   a.in_type = lhs.element_type();
   a.out_type = out.element_type();
   if (a.batch == 0 || a.M == 0 || a.N == 0) return ffi::Error::Success();
@@ -101,11 +102,14 @@ ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuf
   a.sizes = group_sizes.typed_data();
   a.offsets = s.offsets;
   a.tile_prefix = s.tile_prefix;
-  // Rows that belong to no group are defined as zero (never left uninitialised): the sm90 prologue zeroes them.
+  // Rows that belong to no group are zero (the sm90 prologue zeroes them) unless the caller lets them stay
+  // unwritten: a worst-case EP buffer is mostly tail (P * T * k rows, ~T * k real), and its zeros cost more
+  // than the GEMM at EP=4 (experiments/NOTES.md, issue 14).
   if (fast) return launch_grouped_gemm_sm90(a, s.sm90, s.sm90_bytes, device, stream);
   launch_group_offsets(a.sizes, a.batch, a.G, a.M, s.offsets, s.tile_prefix, kSimtTileRows, stream);
   if (ffi::Error err = launch_grouped_gemm_simt(a, stream); err.failure()) return err;
-  launch_zero_tail_rows(a.out, a.batch, a.M, a.N * byte_width(a.out_type), s.offsets + a.G, a.G + 1, stream);
+  if (a.zero_tail)
+    launch_zero_tail_rows(a.out, a.batch, a.M, a.N * byte_width(a.out_type), s.offsets + a.G, a.G + 1, stream);
   return last_cuda_error("grouped_gemm");
 }
 
@@ -113,8 +117,8 @@ namespace {
 
 ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> workspace, bool transpose_rhs) {
-  return run_grouped_gemm(stream, lhs, rhs, group_sizes, *out, *workspace, transpose_rhs, nullptr);
+                           ffi::Result<ffi::AnyBuffer> workspace, bool transpose_rhs, bool zero_tail) {
+  return run_grouped_gemm(stream, lhs, rhs, group_sizes, *out, *workspace, transpose_rhs, zero_tail, nullptr);
 }
 
 ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
@@ -173,7 +177,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
                                   .Ret<xla::ffi::AnyBuffer>()                 // out [..., M, N]
                                   .Ret<xla::ffi::AnyBuffer>()                 // workspace [..., bytes] uint8
-                                  .Attr<bool>("transpose_rhs"),
+                                  .Attr<bool>("transpose_rhs")
+                                  .Attr<bool>("zero_tail"),                   // false: rows past the groups unwritten
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,

@@ -21,6 +21,7 @@ struct GroupedGemmArgs {
   const int32_t* tile_prefix;  // [batch, G + 1], forward SIMT kernel only
   int64_t batch, M, K, N, G;
   bool transpose_rhs;
+  bool zero_tail = true;  // false: rows past the groups may stay unwritten (the caller reads only group rows)
   ffi::DataType in_type, out_type;
 };
 
@@ -40,10 +41,10 @@ ffi::Error launch_weight_grad_sm90(const GroupedGemmArgs& a, void* scratch, size
                                    int device, cudaStream_t stream);
 
 // The forward handler's whole call (grouped_gemm.cu): checks, group offsets into `workspace`, the GEMM, zero
-// tail rows. `offsets` (may be null) gets the device offsets table [batch, G + 1] inside the workspace, or
+// tail rows (unless !zero_tail: then rows past the groups are left as they were). `offsets` (may be null) gets the device offsets table [batch, G + 1] inside the workspace, or
 // null when there was nothing to compute.
 ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, ffi::AnyBuffer workspace,
-                            bool transpose_rhs, const int32_t** offsets);
+                            bool transpose_rhs, bool zero_tail, const int32_t** offsets);
 
 }  // namespace turbo_moe

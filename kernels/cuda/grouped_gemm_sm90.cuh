@@ -284,9 +284,11 @@ ffi::Error forward(const GroupedGemmArgs& a, void* scratch, size_t scratch_size,
   ScratchArena arena{static_cast<char*>(scratch), 0, scratch_size};
   auto d = DeviceArgs<Cfg, Element>::carve(arena, n);
   // Zero blocks sized for the whole output (a tail can be most of it: worst-case EP buffers); with no tail
-  // (the one-device dropless path) each only sums the sizes.
-  const int64_t zero_blocks = std::min<int64_t>(ceil_div(a.M * a.N * static_cast<int64_t>(sizeof(Element)), 16 * 256 * 4),
-                                                2 * sm_count(device));
+  // (the one-device dropless path) each only sums the sizes; none where the caller leaves the tail unwritten.
+  const int64_t zero_blocks =
+      a.zero_tail ? std::min<int64_t>(ceil_div(a.M * a.N * static_cast<int64_t>(sizeof(Element)), 16 * 256 * 4),
+                                      2 * sm_count(device))
+                  : 0;
   forward_prologue<Cfg, Element, kTransposeRhs>
       <<<dim3(static_cast<unsigned>(1 + zero_blocks), static_cast<unsigned>(a.batch)), kPrologueThreads, 0, stream>>>(
           a.sizes, a.offsets, static_cast<const Element*>(a.lhs), static_cast<const Element*>(a.rhs),

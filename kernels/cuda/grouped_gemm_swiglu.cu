@@ -12,17 +12,18 @@ namespace turbo_moe {
 namespace {
 
 // Grid-stride over batch b's (M, F / V) vectors of act: rows in a group get silu(gate) * up, rows past the
-// groups (offsets[b * stride + G] on) get zeros, like h's.
+// groups (offsets[b * stride + G] on) get zeros, like h's, or nothing when !zero_tail.
 template <typename T, int V>
 __global__ void swiglu_rows_kernel(const T* __restrict__ h, T* __restrict__ act, int64_t M, int64_t F,
-                                   const int32_t* __restrict__ row_end_table, int64_t table_stride) {
+                                   const int32_t* __restrict__ row_end_table, int64_t table_stride, bool zero_tail) {
   const int64_t b = blockIdx.y;
   const int64_t rows = min64(static_cast<int64_t>(max(row_end_table[b * table_stride], 0)), M);
   const int64_t per_row = F / V;
   const Pack<T, V>* hv = reinterpret_cast<const Pack<T, V>*>(h + b * M * 2 * F);
   Pack<T, V>* av = reinterpret_cast<Pack<T, V>*>(act + b * M * F);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < M * per_row; i += stride) {
+  const int64_t end = (zero_tail ? M : rows) * per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < end; i += stride) {
     const int64_t r = i / per_row, c = i - r * per_row;
     Pack<T, V> out;
     if (r < rows) {
@@ -42,19 +43,19 @@ __global__ void swiglu_rows_kernel(const T* __restrict__ h, T* __restrict__ act,
 
 template <typename T, int V>
 void launch_swiglu(const void* h, void* act, int64_t batch, int64_t M, int64_t F, const int32_t* row_end_table,
-                   int64_t table_stride, cudaStream_t stream) {
+                   int64_t table_stride, bool zero_tail, cudaStream_t stream) {
   int device = 0;
   cudaGetDevice(&device);
   const int64_t vectors = M * (F / V);
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(vectors, 256), 8 * sm_count(device))));
   swiglu_rows_kernel<T, V><<<dim3(blocks, static_cast<unsigned>(batch)), 256, 0, stream>>>(
-      static_cast<const T*>(h), static_cast<T*>(act), M, F, row_end_table, table_stride);
+      static_cast<const T*>(h), static_cast<T*>(act), M, F, row_end_table, table_stride, zero_tail);
 }
 
 ffi::Error GroupedGemmSwigluImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                                  ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> h,
                                  ffi::Result<ffi::AnyBuffer> act, ffi::Result<ffi::AnyBuffer> workspace,
-                                 bool transpose_rhs) {
+                                 bool transpose_rhs, bool zero_tail) {
   if (!is_float_type(h->element_type()) || act->element_type() != h->element_type())
     return invalid("grouped_gemm_swiglu: h and act must share one dtype of float32/bfloat16/float16");
   auto hd = h->dimensions(), ad = act->dimensions();
@@ -66,7 +67,7 @@ ffi::Error GroupedGemmSwigluImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::A
     if (ad[i] != hd[i]) return invalid("grouped_gemm_swiglu: h and act must share their leading dims");
   if (hd[rank - 1] != 2 * F) return invalid("grouped_gemm_swiglu: h must be [..., M, 2F] for act [..., M, F]");
   const int32_t* offsets = nullptr;
-  if (auto err = run_grouped_gemm(stream, lhs, rhs, group_sizes, *h, *workspace, transpose_rhs, &offsets);
+  if (auto err = run_grouped_gemm(stream, lhs, rhs, group_sizes, *h, *workspace, transpose_rhs, zero_tail, &offsets);
       err.failure())
     return err;
   const int64_t batch = leading_product(hd, 2), M = hd[rank - 2];
@@ -79,9 +80,10 @@ ffi::Error GroupedGemmSwigluImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::A
     using T = decltype(zero);
     constexpr int kWide = 16 / sizeof(T);
     if (aligned && F % kWide == 0)
-      launch_swiglu<T, kWide>(h->untyped_data(), act->untyped_data(), batch, M, F, offsets + G, G + 1, stream);
+      launch_swiglu<T, kWide>(h->untyped_data(), act->untyped_data(), batch, M, F, offsets + G, G + 1, zero_tail,
+                              stream);
     else
-      launch_swiglu<T, 1>(h->untyped_data(), act->untyped_data(), batch, M, F, offsets + G, G + 1, stream);
+      launch_swiglu<T, 1>(h->untyped_data(), act->untyped_data(), batch, M, F, offsets + G, G + 1, zero_tail, stream);
   });
   return last_cuda_error("grouped_gemm_swiglu");
 }
@@ -99,5 +101,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_swiglu, turbo_moe::GroupedG
                                   .Ret<xla::ffi::AnyBuffer>()                 // h [..., M, 2F]
                                   .Ret<xla::ffi::AnyBuffer>()                 // act [..., M, F]
                                   .Ret<xla::ffi::AnyBuffer>()                 // workspace [..., bytes] uint8
-                                  .Attr<bool>("transpose_rhs"),
+                                  .Attr<bool>("transpose_rhs")
+                                  .Attr<bool>("zero_tail"),                   // false: rows past the groups unwritten
                               {xla::ffi::Traits::kCmdBufferCompatible});

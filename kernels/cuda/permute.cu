@@ -127,7 +127,7 @@ __global__ void gather_rows_kernel(const char* __restrict__ x, const int32_t* __
 ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                        ffi::Result<ffi::Buffer<ffi::S32>> row_index, ffi::Result<ffi::AnyBuffer> workspace,
-                       int64_t num_experts) {
+                       int64_t num_experts, bool zero_tail) {
   if (!is_float_type(x.element_type()) || x_sorted->element_type() != x.element_type())
     return invalid("permute: x must be float32/bfloat16/float16 and x_sorted the same dtype");
   auto xd = x.dimensions(), id = expert_ids.dimensions();
@@ -170,8 +170,9 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
     dispatch_vector(vb, [&](auto tag) {
       gather_rows_kernel<decltype(tag)><<<blocks, 256, 0, stream>>>(x_p, rows, xs_p, T, k, row_bytes, total_slots);
     });
-    // Rows past the valid total (dropped copies) are zero; the total sits at counts[E * chunks].
-    launch_zero_tail_rows(xs_p, batch, slots, row_bytes, counts + E * chunks, table, stream);
+    // Rows past the valid total (dropped copies) are zero, unless the caller leaves them unwritten (a worst-case
+    // EP buffer is mostly dropped copies); the total sits at counts[E * chunks].
+    if (zero_tail) launch_zero_tail_rows(xs_p, batch, slots, row_bytes, counts + E * chunks, table, stream);
   }
   return last_cuda_error("permute");
 }
@@ -202,7 +203,7 @@ __global__ void zero_rows_past_groups_kernel(char* data, int64_t rows, int64_t r
 }
 
 ffi::Error PermuteRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_index,
-                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> x_sorted) {
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> x_sorted, bool zero_tail) {
   if (!is_float_type(x.element_type()) || x_sorted->element_type() != x.element_type())
     return invalid("permute_rows: x must be float32/bfloat16/float16 and x_sorted the same dtype");
   auto xd = x.dimensions(), rd = row_index.dimensions(), gd = group_sizes.dimensions();
@@ -222,8 +223,9 @@ ffi::Error PermuteRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
     gather_rows_kernel<decltype(tag)><<<static_cast<unsigned>(ceil_div(total_slots, 8)), 256, 0, stream>>>(
         x_p, row_index.typed_data(), xs_p, T, k, row_bytes, total_slots);
   });
-  zero_rows_past_groups_kernel<<<dim3(32, static_cast<unsigned>(batch)), 256, 0, stream>>>(
-      xs_p, slots, row_bytes, group_sizes.typed_data(), E);
+  if (zero_tail)
+    zero_rows_past_groups_kernel<<<dim3(32, static_cast<unsigned>(batch)), 256, 0, stream>>>(
+        xs_p, slots, row_bytes, group_sizes.typed_data(), E);
   return last_cuda_error("permute_rows");
 }
 
@@ -236,7 +238,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute_rows, turbo_moe::PermuteRowsImpl
                                   .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
-                                  .Ret<xla::ffi::AnyBuffer>(),                // x_sorted [..., T*k, H]
+                                  .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
+                                  .Attr<bool>("zero_tail"),                   // false: rows past the groups unwritten
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 // Command-buffer compatible: no scratch, no host synchronisation, every launch on `stream`.
@@ -249,7 +252,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
                                   .Ret<xla::ffi::AnyBuffer>()                 // workspace [..., bytes] uint8
-                                  .Attr<int64_t>("num_experts"),
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<bool>("zero_tail"),                   // false: rows past the groups unwritten
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 // Workspace bytes of one permute call over `batch` leading problems of `slots` = T * k copies and E experts.

@@ -87,3 +87,33 @@ def test_scan_writes_h_into_its_stack_in_place():
     fused = [f for f in fusions if "turbo_moe_grouped_gemm_swiglu" in f]
     assert fused and any("dynamic-update-slice(" in f for f in fused), (
         "XLA no longer writes the FFI call's h into the scan's stack in place: " + text[:2000])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("case", EVEN_CASES)
+def test_zero_tail_false_writes_the_group_rows_alone(case, dtype):
+    """zero_tail=False (the expert block under EP): every group row equals the zero_tail=True call's bit for bit, in
+    grouped_gemm, grouped_gemm_swiglu, permute and permute_rows (the rows past the groups are left unwritten: their
+    content is whatever the buffer held, so nothing is asserted of them)."""
+    rng = np.random.default_rng()
+    lhs, rhs, gs, _, sizes = gemm_inputs(rng, case, dtype, False)
+    rows = int(np.clip(np.cumsum(np.maximum(sizes, 0)), 0, lhs.shape[0])[-1])
+    h, act = jax.jit(ops.grouped_gemm_swiglu)(lhs, rhs, gs)
+    h_f, act_f = jax.jit(lambda a, b, s: ops.grouped_gemm_swiglu(a, b, s, zero_tail=False))(lhs, rhs, gs)
+    assert np.array_equal(np.asarray(h_f[:rows], np.float32), np.asarray(h[:rows], np.float32))
+    assert np.array_equal(np.asarray(act_f[:rows], np.float32), np.asarray(act[:rows], np.float32))
+    out = jax.jit(ops.grouped_gemm)(lhs, rhs, gs)
+    out_f = jax.jit(lambda a, b, s: ops.grouped_gemm(a, b, s, zero_tail=False))(lhs, rhs, gs)
+    assert np.array_equal(np.asarray(out_f[:rows], np.float32), np.asarray(out[:rows], np.float32))
+    from turbo_moe.ops.permute import _permute_call, permute_rows_call
+
+    T, k, E = 96, 3, 5
+    x = jnp.asarray(rng.normal(size=(T, 40)), dtype)
+    ids = jnp.asarray(rng.integers(-3, E, size=(T, k)), jnp.int32)
+    rows_z, g, ri = jax.jit(lambda x, i: _permute_call(x, i, E))(x, ids)
+    rows_f, g_f, ri_f = jax.jit(lambda x, i: _permute_call(x, i, E, False))(x, ids)
+    n = int(np.asarray(g).sum())
+    assert np.array_equal(np.asarray(g_f), np.asarray(g)) and np.array_equal(np.asarray(ri_f), np.asarray(ri))
+    assert np.array_equal(np.asarray(rows_f[:n], np.float32), np.asarray(rows_z[:n], np.float32))
+    again = jax.jit(lambda x, r, g: permute_rows_call(x, r, g, False))(x, ri, g)
+    assert np.array_equal(np.asarray(again[:n], np.float32), np.asarray(rows_z[:n], np.float32))

@@ -415,3 +415,40 @@ def test_policy_saves_what_the_dispatch_received(monkeypatch):
     assert rebuilt_count > 0, "the dispatch was not run again without the save: the test shows nothing"
     assert saved_count == 0, f"{saved_count} of the dispatch's collectives run again in the backward pass"
     assert_close(saved_grads, rebuilt_grads, "saved vs rebuilt dispatch", tolerance=dict(rtol=1e-6, atol=1e-7))
+
+
+@requires_turbo
+@pytest.mark.parametrize("layout, via", [("dense", "permute"), ("dense", "all_gather"), ("packed", "auto"),
+                                         ("ragged", "auto")])
+@pytest.mark.parametrize("expert", [2, 4])
+def test_expert_block_kernels_leave_the_worst_case_tail_unread(layout, via, expert, monkeypatch):
+    """With the SwiGLU kernels (`swiglu_impl="kernel"`) the expert block lets its (P*T*k)-row buffers keep their rows
+    past the groups unwritten (`zero_tail=False`); the CPU handlers fill those rows with NaN. Under EP most of a
+    rank's rows are such tail, so any reader of them would show here as NaN against the one-device result."""
+    monkeypatch.setenv("TURBO_MOE_DEEPEP_LAYOUT", layout)
+    monkeypatch.setenv("TURBO_MOE_DEEPEP_DENSE_VIA", via)
+    x, routing, experts = problem(seed=40 + expert)
+    ref = loss_and_grads(moe_path_fn("turbo", CF, swiglu_impl="xla"), x, routing, experts)
+    path = ep_moe_path("turbo", mesh=make_mesh(8 // expert, expert), capacity_factor=CF, ep_exchange="deepep",
+                       swiglu_impl="kernel")
+    lowered = jax.jit(lambda x: path(x, routing, experts)[0]).lower(x).as_text()
+    assert "turbo_moe_grouped_gemm_swiglu" in lowered and "zero_tail = false" in lowered, "the kernels did not run"
+    got = loss_and_grads(path, x, routing, experts)
+    for name, a, e in zip(("loss", "y", "stats", "grads"), got, ref):
+        assert_close(a, e, f"turbo/deepep[{layout}/{via}] EP={expert} with the SwiGLU kernels: {name}")
+
+
+@requires_turbo
+def test_expert_block_zero_tail_switch(monkeypatch):
+    """TURBO_MOE_EXPERT_BLOCK_ZERO_TAIL=1 (a benchmark switch, read while tracing) writes the zeros again: every FFI
+    call of the block then takes zero_tail=True, and the result is the same."""
+    x, routing, experts = problem(seed=3)
+    results, texts = [], []
+    for value in ("0", "1"):
+        monkeypatch.setenv("TURBO_MOE_EXPERT_BLOCK_ZERO_TAIL", value)
+        path = ep_moe_path("turbo", mesh=make_mesh(2, 4), capacity_factor=CF, ep_exchange="deepep",
+                           swiglu_impl="kernel")
+        texts.append(jax.jit(jax.grad(lambda x, path=path: jnp.sum(path(x, routing, experts)[0]))).lower(x).as_text())
+        results.append(loss_and_grads(path, x, routing, experts))
+    assert "zero_tail = false" in texts[0] and "zero_tail = false" not in texts[1]
+    assert_close(results[0], results[1], "zero tail switch")

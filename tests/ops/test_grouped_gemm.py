@@ -183,3 +183,29 @@ def test_property_random_shapes(M, K, N, G, seed):
     sizes = rng.integers(-3, max(2, 2 * M // G), G).astype(np.int32)  # may be negative or oversum
     out = grouped_gemm(lhs, rhs, jnp.asarray(sizes))
     assert rel_err(out, reference.grouped_gemm(lhs, rhs, sizes)) < 1e-5
+
+
+def test_zero_tail_false_leaves_group_rows_equal_and_the_tail_unspecified():
+    """zero_tail=False: group rows (and both gradients) as with zeros; the rows past the groups are the caller's
+    promise not to read (the CPU handler fills them with NaN so that a reader shows)."""
+    rng = np.random.default_rng(7)
+    M, K, N, sizes = 40, 24, 16, np.array([5, 0, 9, 3], np.int32)  # 17 group rows, 23 tail rows
+    lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(4, K, N)), jnp.float32)
+    gs = jnp.asarray(sizes)
+    zero = grouped_gemm(lhs, rhs, gs)
+    free = grouped_gemm(lhs, rhs, gs, zero_tail=False)
+    rows = int(sizes.sum())
+    np.testing.assert_array_equal(free[:rows], zero[:rows])
+    np.testing.assert_array_equal(zero[rows:], 0.0)
+    if jax.default_backend() == "cpu":
+        assert np.isnan(np.asarray(free[rows:])).all(), "the CPU handler poisons the tail with NaN"
+
+    def loss(lhs, rhs, zero_tail):  # reads group rows only, as the promise says
+        return jnp.sum(jnp.sin(grouped_gemm(lhs, rhs, gs, zero_tail=zero_tail)[:rows]))
+    d_zero = jax.grad(loss, argnums=(0, 1))(lhs, rhs, True)
+    d_free = jax.grad(loss, argnums=(0, 1))(lhs, rhs, False)
+    np.testing.assert_array_equal(d_free[1], d_zero[1])
+    np.testing.assert_array_equal(d_free[0][:rows], d_zero[0][:rows])
+    with pytest.raises(TypeError, match="zero_tail must be a Python bool"):
+        grouped_gemm(lhs, rhs, gs, zero_tail=0)

@@ -100,3 +100,17 @@ def test_bad_input_names_the_argument():
         grouped_gemm_swiglu(lhs.astype(jnp.int32), rhs, sizes)
     with pytest.raises(ValueError, match="rhs"):
         grouped_gemm_swiglu(lhs, rhs[0], sizes)
+
+
+def test_zero_tail_false_keeps_group_rows():
+    rng = np.random.default_rng(11)
+    sizes = jnp.asarray([3, 0, 6], jnp.int32)
+    lhs = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(3, 8, 12)), jnp.float32)
+    h, act = grouped_gemm_swiglu(lhs, rhs, sizes)
+    h_f, act_f = grouped_gemm_swiglu(lhs, rhs, sizes, zero_tail=False)
+    np.testing.assert_array_equal(h_f[:9], h[:9])
+    np.testing.assert_array_equal(act_f[:9], act[:9])
+    np.testing.assert_array_equal(act[9:], 0.0)
+    if jax.default_backend() == "cpu":
+        assert np.isnan(np.asarray(h_f[9:])).all() and np.isnan(np.asarray(act_f[9:])).all()

@@ -177,3 +177,25 @@ def test_vmap_permute_unpermute():
 def test_bad_input_is_named(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+def test_permute_and_permute_rows_zero_tail_false():
+    """The expert block's calls (zero_tail=False): the rows of the copies as with zeros, the dropped copies' rows
+    past sum(group_sizes) left to the caller (NaN on the CPU: the handler poisons them)."""
+    from turbo_moe.ops.permute import _permute_call, permute_rows_call
+
+    rng = np.random.default_rng(3)
+    T, H, k, E = 12, 8, 3, 4
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-2, E, size=(T, k)), jnp.int32)  # negative ids: dropped copies -> a tail
+    rows_z, gs, ri = _permute_call(x, ids, E)
+    rows_f, gs_f, ri_f = _permute_call(x, ids, E, False)
+    n = int(gs.sum())
+    assert n < T * k
+    np.testing.assert_array_equal(gs_f, gs)
+    np.testing.assert_array_equal(ri_f, ri)
+    np.testing.assert_array_equal(rows_f[:n], rows_z[:n])
+    again = permute_rows_call(x, ri, gs, False)
+    np.testing.assert_array_equal(again[:n], rows_z[:n])
+    if jax.default_backend() == "cpu":
+        assert np.isnan(np.asarray(rows_f[n:])).all() and np.isnan(np.asarray(again[n:])).all()

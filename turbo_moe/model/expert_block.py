@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, ExpertWeights, GroupedGemm, saved, swiglu_fused
+from turbo_moe.model.gemms import tail_zeroed
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import match_varying
 from turbo_moe.ops.permute import ROW_INDEX_NAME, _permute_call, permute_rows_call
@@ -60,9 +61,20 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
                   swiglu_kernels)
 
 
+def _zero_tail(swiglu_kernels) -> bool:
+    """Whether the block's permutes write zeros past the groups: without the SwiGLU kernels, or where their GEMMs
+    do too (`gemms.tail_zeroed`)."""
+    return swiglu_kernels is None or tail_zeroed()
+
+
 def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, swiglu_kernels):
+    # With the SwiGLU kernels every buffer of T*k rows leaves its rows past the groups unwritten (only group rows
+    # are read: the GEMMs go by group sizes, unpermute by the row index), `gemms.SWIGLU_KERNELS`
+    zero_tail = _zero_tail(swiglu_kernels)
+    if swiglu_kernels is not None:
+        gemm = swiglu_kernels.gemm
     with jax.named_scope("permute"):
-        rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts)[:3]
+        rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts, zero_tail)[:3]
     group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
     if swiglu_kernels is not None:
         with jax.named_scope("grouped_gemm"):
@@ -97,8 +109,11 @@ def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm
 def _block_bwd(n_experts, gemm, swiglu_kernels, residuals, cotangents):
     tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
     d_y = cotangents[0]  # (T, D); group_sizes are integers
+    zero_tail = _zero_tail(swiglu_kernels)  # as in _forward
+    if swiglu_kernels is not None:
+        gemm = swiglu_kernels.gemm
     with jax.named_scope("unpermute"):
-        g_rows = permute_rows_call(d_y.astype(h.dtype), row_index, group_sizes)  # unweighted rows of g
+        g_rows = permute_rows_call(d_y.astype(h.dtype), row_index, group_sizes, zero_tail)  # unweighted rows of g
         # each row's combine weight (0 for rows no copy fills): one XLA scatter of T*k scalars (~2 us a layer; the
         # row-copy kernel spends a warp per 4-byte row)
         n = row_index.size
@@ -127,7 +142,7 @@ def _block_bwd(n_experts, gemm, swiglu_kernels, residuals, cotangents):
     with jax.named_scope("unpermute"):
         d_combine = jnp.where(row_index >= 0, d_w_rows[jnp.maximum(row_index, 0)], 0.0)
     with jax.named_scope("permute"):
-        rows = permute_rows_call(tokens, row_index, group_sizes)  # the forward's permuted rows
+        rows = permute_rows_call(tokens, row_index, group_sizes, zero_tail)  # the forward's permuted rows
     with jax.named_scope("grouped_gemm"):
         _, up_vjp = jax.vjp(lambda r, w: gemm(r, w, group_sizes), rows, w_gate_up)
         d_rows, d_w_gate_up = up_vjp(d_h)

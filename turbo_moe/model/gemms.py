@@ -7,13 +7,17 @@
 
 `SWIGLU_KERNELS[name]`: the GEMMs that the expert block's SwiGLU kernels (`swiglu_impl="kernel"`) pair with: the
 gate/up GEMM and SwiGLU as one call returning (h, act), and the down GEMM's data and weight gradients as separate
-calls (the weight gradient's lhs, act * w, comes out of `ops.swiglu_combine_grad`, which needs the data gradient).
+calls (the weight gradient's lhs, act * w, comes out of `ops.swiglu_combine_grad`, which needs the data gradient),
+and the block's other GEMMs. They leave the rows past the groups unwritten (`zero_tail=False`): the expert block
+reads only group rows, and under expert parallelism its buffers are the dropless worst case, P * T * k rows of
+which ~T * k are real (zero-filling the rest cost more than the GEMMs at EP=4: experiments/NOTES.md, issue 14).
 
 `require(name, moe_path)` raises at trace time when the devices cannot run a GEMM.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -43,16 +47,23 @@ def pallas_gemm(rows, w, group_sizes):
     return pallas_grouped_gemm(rows, w, group_sizes)  # (M, K) x (E, K, N) -> (M, N)
 
 
+def tail_zeroed() -> bool:
+    """False (the default): the SwiGLU kernels' GEMMs and the expert block's permutes leave the rows past the groups
+    unwritten. Env TURBO_MOE_EXPERT_BLOCK_ZERO_TAIL=1 (read while tracing) writes zeros there as before: a switch
+    for side-by-side benchmarks (experiments/NOTES.md, issue 14)."""
+    return os.environ.get("TURBO_MOE_EXPERT_BLOCK_ZERO_TAIL", "0") == "1"
+
+
 def turbo_gate_up_swiglu(rows, w, group_sizes):
     from turbo_moe import ops
 
-    return ops.grouped_gemm_swiglu(rows, w, group_sizes)  # (M, K) x (E, K, 2F) -> (M, 2F), (M, F)
+    return ops.grouped_gemm_swiglu(rows, w, group_sizes, zero_tail=tail_zeroed())  # (M, K) x (E, K, 2F) -> (M, 2F), (M, F)
 
 
 def turbo_data_grad(d_out, w, group_sizes):
     from turbo_moe import ops
 
-    return ops.grouped_gemm(d_out, w, group_sizes, transpose_rhs=True)  # (M, N) x (E, K, N)^T -> (M, K)
+    return ops.grouped_gemm(d_out, w, group_sizes, transpose_rhs=True, zero_tail=tail_zeroed())  # (M, N) x (E, K, N)^T -> (M, K)
 
 
 def turbo_weight_grad(lhs, d_out, group_sizes):
@@ -61,13 +72,21 @@ def turbo_weight_grad(lhs, d_out, group_sizes):
     return ops.grouped_gemm_weight_grad(lhs, d_out, group_sizes)  # (M, K), (M, N) -> (E, K, N)
 
 
+def turbo_gemm_group_rows(rows, w, group_sizes):
+    from turbo_moe import ops
+
+    return ops.grouped_gemm(rows, w, group_sizes, zero_tail=tail_zeroed())  # (M, K) x (E, K, N) -> (M, N), tail unwritten
+
+
 class SwigluKernels(NamedTuple):
     gate_up_swiglu: Callable  # (rows, w_gate_up, group_sizes) -> (h, act = SwiGLU(h))
     data_grad: Callable  # (d_out, w, group_sizes) -> d_out @ w[g]^T
     weight_grad: Callable  # (lhs, d_out, group_sizes) -> lhs[rows_g]^T @ d_out[rows_g]
+    gemm: Callable  # (rows, w, group_sizes) -> rows @ w[g], differentiable; rows past the groups unwritten
 
 
-SWIGLU_KERNELS = {"turbo": SwigluKernels(turbo_gate_up_swiglu, turbo_data_grad, turbo_weight_grad)}
+SWIGLU_KERNELS = {"turbo": SwigluKernels(turbo_gate_up_swiglu, turbo_data_grad, turbo_weight_grad,
+                                         turbo_gemm_group_rows)}
 
 
 def swiglu_kernels(gemm: str, swiglu_impl: str) -> SwigluKernels | None:

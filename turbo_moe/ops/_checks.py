@@ -43,6 +43,13 @@ def static_int(name: str, value, *, minimum: int = 1, maximum: int = INT32_MAX) 
     return int(value)
 
 
+def static_bool(name: str, value) -> bool:
+    """A static (Python or NumPy) bool argument; anything else (a traced array, 0/1, a string) is a TypeError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool (static), got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def _dtype(x) -> np.dtype:
     # The array's own dtype: jnp.result_type would report a NumPy int64 as int32 without x64.
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype

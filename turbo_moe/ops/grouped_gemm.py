@@ -16,7 +16,7 @@ from turbo_moe.ops._ffi import ffi_call, match_varying, workspace
 
 
 def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, preferred_element_type=None,
-                 precision=None):
+                 precision=None, zero_tail: bool = True):
     """(M, K) x (G, K, N) -> (M, N) with per-group weights; `(G, N, K)` when `transpose_rhs`.
 
     Args:
@@ -26,15 +26,18 @@ def grouped_gemm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, preferre
       preferred_element_type: output dtype (default: the promoted input dtype). Accumulation is
         always float32.
       precision: accepted for signature compatibility with `jax.lax.ragged_dot`; ignored.
+      zero_tail: False lets the rows past sum(group_sizes) stay unwritten, for a caller that reads only group
+        rows (the expert block on worst-case EP buffers, mostly tail); the CUDA kernels then skip them, the CPU
+        handlers fill them with NaN (so a reader of them shows). The data gradient takes the same setting.
     Returns:
-      (M, N); rows past sum(group_sizes) are zero. Differentiable in lhs and rhs.
+      (M, N); rows past sum(group_sizes) are zero (unspecified with zero_tail=False). Differentiable in lhs and rhs.
     """
     del precision
     compute = check_operands(lhs, rhs, group_sizes, transpose_rhs, "N")
     out_dtype = compute if preferred_element_type is None else _checks.float_dtype(
         "preferred_element_type", preferred_element_type)
     return _grouped_gemm(lhs.astype(compute), rhs.astype(compute), _checks.as_int32(group_sizes),
-                         bool(transpose_rhs), jnp.dtype(out_dtype))
+                         bool(transpose_rhs), jnp.dtype(out_dtype), _checks.static_bool("zero_tail", zero_tail))
 
 
 def check_operands(lhs, rhs, group_sizes, transpose_rhs: bool, n_name: str):
@@ -86,11 +89,12 @@ def _workspace(group_sizes, dtype, weight_grad):
                      int(weight_grad), batch=group_sizes.shape[:-1])
 
 
-def _gemm_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
+def _gemm_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype, zero_tail=True):
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     out = jax.ShapeDtypeStruct(lhs.shape[:-1] + (n,), out_dtype)
     ws = _workspace(group_sizes, lhs.dtype, False)
-    return ffi_call("turbo_moe_grouped_gemm", (out, ws), lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)[0]
+    return ffi_call("turbo_moe_grouped_gemm", (out, ws), lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                    zero_tail=zero_tail)[0]
 
 
 def _weight_grad_call(lhs, d_out, group_sizes, out_dtype):
@@ -100,20 +104,20 @@ def _weight_grad_call(lhs, d_out, group_sizes, out_dtype):
     return ffi_call("turbo_moe_grouped_gemm_weight_grad", (out, ws), lhs, d_out, group_sizes)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped_gemm(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
-    return _gemm_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_gemm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, zero_tail):
+    return _gemm_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype, zero_tail)
 
 
-def _grouped_gemm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype):
-    return _gemm_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype), (lhs, rhs, group_sizes)
+def _grouped_gemm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, zero_tail):
+    return _gemm_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype, zero_tail), (lhs, rhs, group_sizes)
 
 
-def _grouped_gemm_bwd(transpose_rhs, out_dtype, residuals, d_out):
+def _grouped_gemm_bwd(transpose_rhs, out_dtype, zero_tail, residuals, d_out):
     lhs, rhs, group_sizes = residuals
     d_out = d_out.astype(lhs.dtype)  # (M, N)
     # dgrad: the same grouped GEMM against the other layout of rhs, i.e. rhs[g] transposed.
-    d_lhs = _gemm_call(d_out, rhs, group_sizes, not transpose_rhs, lhs.dtype)  # (M, K)
+    d_lhs = _gemm_call(d_out, rhs, group_sizes, not transpose_rhs, lhs.dtype, zero_tail)  # (M, K)
     # wgrad: variable-K grouped GEMM over each group's rows.
     if transpose_rhs:
         d_rhs = _weight_grad_call(d_out, lhs, group_sizes, rhs.dtype)  # (G, N, K)

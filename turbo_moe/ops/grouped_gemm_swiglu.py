@@ -19,32 +19,34 @@ from turbo_moe.ops._ffi import ffi_call, match_varying
 from turbo_moe.ops.grouped_gemm import _gemm_call, _weight_grad_call, _workspace, check_operands
 
 
-def grouped_gemm_swiglu(lhs, rhs, group_sizes, *, transpose_rhs: bool = False):
+def grouped_gemm_swiglu(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, zero_tail: bool = True):
     """(M, K) x (G, K, 2F) -> (h (M, 2F), act (M, F)) with per-group weights; rhs `(G, 2F, K)` when `transpose_rhs`.
 
     Args:
       lhs: (M, K) rows sorted by group. bfloat16, float16 or float32 (the outputs take the promoted dtype).
       rhs: (G, K, 2F) = [gate | up] columns, or (G, 2F, K) with `transpose_rhs=True`.
       group_sizes: int32 (G,), rows per group, on the device.
+      zero_tail: False lets the rows past sum(group_sizes) of h and act stay unwritten (see `grouped_gemm`).
     Returns:
       h = lhs @ rhs[group of row] and act = silu(h[:, :F]) * h[:, F:]; rows past sum(group_sizes) are zero in
-      both. Differentiable in lhs and rhs through both outputs.
+      both (unspecified with zero_tail=False). Differentiable in lhs and rhs through both outputs.
     """
     compute = check_operands(lhs, rhs, group_sizes, transpose_rhs, "2F")
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if n % 2:
         raise ValueError(f"rhs must have an even output width 2F = [gate | up], got {n} (rhs {rhs.shape}, "
                          f"transpose_rhs={transpose_rhs})")
-    return _gemm_swiglu(lhs.astype(compute), rhs.astype(compute), _checks.as_int32(group_sizes), bool(transpose_rhs))
+    return _gemm_swiglu(lhs.astype(compute), rhs.astype(compute), _checks.as_int32(group_sizes), bool(transpose_rhs),
+                        _checks.static_bool("zero_tail", zero_tail))
 
 
-def _call(lhs, rhs, group_sizes, transpose_rhs):
+def _call(lhs, rhs, group_sizes, transpose_rhs, zero_tail):
     n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
     h = jax.ShapeDtypeStruct(lhs.shape[:-1] + (n,), lhs.dtype)
     act = jax.ShapeDtypeStruct(lhs.shape[:-1] + (n // 2,), lhs.dtype)
     ws = _workspace(group_sizes, lhs.dtype, False)
     return tuple(ffi_call("turbo_moe_grouped_gemm_swiglu", (h, act, ws), lhs, rhs, group_sizes,
-                          transpose_rhs=transpose_rhs)[:2])
+                          transpose_rhs=transpose_rhs, zero_tail=zero_tail)[:2])
 
 
 def swiglu_grad(h, d_act):
@@ -58,21 +60,21 @@ def swiglu_grad(h, d_act):
     return jnp.concatenate([d_gate, d_up], axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gemm_swiglu(lhs, rhs, group_sizes, transpose_rhs):
-    return _call(lhs, rhs, group_sizes, transpose_rhs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gemm_swiglu(lhs, rhs, group_sizes, transpose_rhs, zero_tail):
+    return _call(lhs, rhs, group_sizes, transpose_rhs, zero_tail)
 
 
-def _gemm_swiglu_fwd(lhs, rhs, group_sizes, transpose_rhs):
-    h, act = _call(lhs, rhs, group_sizes, transpose_rhs)
+def _gemm_swiglu_fwd(lhs, rhs, group_sizes, transpose_rhs, zero_tail):
+    h, act = _call(lhs, rhs, group_sizes, transpose_rhs, zero_tail)
     return (h, act), (lhs, rhs, group_sizes, h)
 
 
-def _gemm_swiglu_bwd(transpose_rhs, residuals, cotangents):
+def _gemm_swiglu_bwd(transpose_rhs, zero_tail, residuals, cotangents):
     lhs, rhs, group_sizes, h = residuals
     d_h, d_act = cotangents
     d_h = (d_h.astype(jnp.float32) + swiglu_grad(h, d_act)).astype(lhs.dtype)  # both outputs' paths into h
-    d_lhs = _gemm_call(d_h, rhs, group_sizes, not transpose_rhs, lhs.dtype)  # (M, K)
+    d_lhs = _gemm_call(d_h, rhs, group_sizes, not transpose_rhs, lhs.dtype, zero_tail)  # (M, K)
     if transpose_rhs:
         d_rhs = _weight_grad_call(d_h, lhs, group_sizes, rhs.dtype)  # (G, 2F, K)
     else:

@@ -76,12 +76,13 @@ def permute_rows(x, handle: PermuteHandle, group_sizes):
     return permute_rows_call(x, _checks.index_as_int32(row_index, row_index.size), group_sizes.astype(jnp.int32))
 
 
-def permute_rows_call(x, row_index, group_sizes):
+def permute_rows_call(x, row_index, group_sizes, zero_tail=True):
+    """zero_tail=False: rows from sum(group_sizes) on may stay unwritten (NaN on the CPU), see `grouped_gemm`."""
     out = jax.ShapeDtypeStruct(x.shape[:-2] + (row_index.shape[-2] * row_index.shape[-1], x.shape[-1]), x.dtype)
-    return ffi_call("turbo_moe_permute_rows", out, x, row_index, group_sizes)
+    return ffi_call("turbo_moe_permute_rows", out, x, row_index, group_sizes, zero_tail=zero_tail)
 
 
-def _permute_call(x, expert_ids, num_experts):
+def _permute_call(x, expert_ids, num_experts, zero_tail=True):
     T, k = expert_ids.shape[-2:]
     batch = x.shape[:-2]
     out = (
@@ -90,7 +91,7 @@ def _permute_call(x, expert_ids, num_experts):
         jax.ShapeDtypeStruct(batch + (T, k), jnp.int32),
         workspace("turbo_moe_permute_workspace_bytes", 1, T * k, num_experts, batch=batch),
     )
-    return ffi_call("turbo_moe_permute", out, x, expert_ids, num_experts=num_experts)[:3]
+    return ffi_call("turbo_moe_permute", out, x, expert_ids, num_experts=num_experts, zero_tail=zero_tail)[:3]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
