@@ -1,14 +1,17 @@
 // CPU FFI handler of the expert block's SwiGLU backward with its combine weights (model/expert_block.py):
-//   turbo_moe_swiglu_combine_grad: h (R, 2F) = [gate | up], g (R, F), w (R,) float32 ->
+//   turbo_moe_swiglu_combine_grad: h (M, 2F) = [gate | up], g (M, F), w (M,) float32, valid () int32 ->
 //     d_w[r] = sum_j act[r, j] * g[r, j]                    (float32; act = silu(gate) * up in float32)
 //     d_h[r] = SwiGLU's backward at h for d_act = round(w[r] * g[r])   ([d_gate | d_up], rounded once)
 //     act_w[r] = round(round(act[r]) * w[r])   (act as grouped_gemm_swiglu's forward rounds it)
 // g is the down GEMM's data gradient of the unweighted output cotangent, w each row's combine weight: d_w is the
 // combine weight's gradient, d_h the gate/up output's, act_w the down weight gradient's lhs. One pass reads h and
-// g once; as XLA fusions the results read h three times (experiments/NOTES.md, issue 14). Optional leading dims are shared by all operands. Same contract as
+// g once; as XLA fusions the results read h three times (experiments/NOTES.md, issue 14). Rows from `valid` on
+// (a worst-case EP tail nothing reads) are not computed: NaN here, unwritten on CUDA. Optional leading dims are
+// shared by all operands. Same contract as
 // kernels/cuda/swiglu_combine_grad.cu (not bit for bit: exp differs by an ulp between the two libraries).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common.h"
 
@@ -16,8 +19,8 @@ namespace turbo_moe {
 namespace {
 
 ffi::Error SwigluCombineGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> w,
-                                 ffi::Result<ffi::AnyBuffer> d_h, ffi::Result<ffi::Buffer<ffi::F32>> d_w,
-                                 ffi::Result<ffi::AnyBuffer> act_w) {
+                                 ffi::Buffer<ffi::S32> valid, ffi::Result<ffi::AnyBuffer> d_h,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> d_w, ffi::Result<ffi::AnyBuffer> act_w) {
   Dtype dt;
   if (!to_dtype(h.element_type(), &dt) || g.element_type() != h.element_type() ||
       d_h->element_type() != h.element_type() || act_w->element_type() != h.element_type())
@@ -32,7 +35,10 @@ ffi::Error SwigluCombineGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::An
   if (hd[rank - 1] != 2 * F) return invalid("swiglu_combine_grad: h must be [..., 2F] for g [..., F]");
   if (act_w->dimensions().size() != gd.size() || !std::equal(gd.begin(), gd.end(), act_w->dimensions().begin()))
     return invalid("swiglu_combine_grad: act_w must be [..., F] like g");
-  const int64_t rows = leading_product(hd, 1), bw = byte_width(dt);
+  if (rank < 2 || static_cast<int64_t>(valid.dimensions().size()) != rank - 2 ||
+      !std::equal(valid.dimensions().begin(), valid.dimensions().end(), hd.begin()))
+    return invalid("swiglu_combine_grad: expected valid [...] (rows to compute of each [M, 2F] problem of h)");
+  const int64_t rows = leading_product(hd, 1), bw = byte_width(dt), M = hd[rank - 2];
   const char* h_p = static_cast<const char*>(h.untyped_data());
   const char* g_p = static_cast<const char*>(g.untyped_data());
   const float* w_p = w.typed_data();
@@ -43,6 +49,12 @@ ffi::Error SwigluCombineGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::An
   parallel_for(&pool, (rows + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
     std::vector<float> hv(2 * F), gv(F), out(2 * F), d_act(F), act(F);
     for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r) {
+      if (r % M >= valid.typed_data()[r / M]) {  // past the problem's valid rows: NaN, as the promise allows
+        dw_p[r] = std::numeric_limits<float>::quiet_NaN();
+        std::memset(dh_p + r * 2 * F * bw, tail_fill(false), 2 * F * bw);
+        std::memset(aw_p + r * F * bw, tail_fill(false), F * bw);
+        continue;
+      }
       load_f32(dt, h_p + r * 2 * F * bw, 2 * F, hv.data());
       load_f32(dt, g_p + r * F * bw, F, gv.data());
       for (int64_t j = 0; j < F; ++j) d_act[j] = w_p[r] * gv[j];
@@ -76,7 +88,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_swiglu_combine_grad, turbo_moe::SwigluCo
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()                 // h [..., 2F]
                                   .Arg<xla::ffi::AnyBuffer>()                 // g [..., F]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // w [...]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // w [..., M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // valid [...]: rows to compute
                                   .Ret<xla::ffi::AnyBuffer>()                 // d_h [..., 2F]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_w [...]
                                   .Ret<xla::ffi::AnyBuffer>());               // act_w [..., F]

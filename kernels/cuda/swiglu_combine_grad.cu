@@ -1,9 +1,10 @@
 // CUDA FFI handler of the expert block's SwiGLU backward with its combine weights (model/expert_block.py):
-//   turbo_moe_swiglu_combine_grad: h (R, 2F) = [gate | up], g (R, F), w (R,) float32 ->
+//   turbo_moe_swiglu_combine_grad: h (M, 2F) = [gate | up], g (M, F), w (M,) float32, valid () int32 ->
 //     d_w[r] = sum_j act[r, j] * g[r, j]                    (float32; act = silu(gate) * up in float32)
 //     d_h[r] = SwiGLU's backward at h for d_act = round(w[r] * g[r])   ([d_gate | d_up], rounded once)
 //     act_w[r] = round(round(act[r]) * w[r])   (act as grouped_gemm_swiglu's forward rounds it: the down weight
 //                                               gradient's lhs, which an XLA pass over h computed again before)
+// Rows from `valid` on (the expert block's worst-case EP tail, which nothing reads) are skipped, outputs unwritten.
 // One warp per row: h and g are read once, d_h and act_w written once, d_w a fixed-order warp reduction
 // (deterministic). As XLA fusions the results read h three times (experiments/NOTES.md, issue 14). Same contract as
 // kernels/cpu/swiglu_combine_grad.cc. No scratch, no host sync: safe in XLA's command buffers.
@@ -21,10 +22,12 @@ __global__ void __launch_bounds__(kThreads) swiglu_combine_grad_kernel(const T* 
                                                                         T* __restrict__ d_h,
                                                                         float* __restrict__ d_w,
                                                                         T* __restrict__ act_w, int64_t rows,
-                                                                        int64_t F) {
+                                                                        int64_t F, const int32_t* __restrict__ valid,
+                                                                        int64_t M) {
   const int64_t r = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;  // whole warps: a row per warp
+  if (r % M >= valid[r / M]) return;  // past the problem's valid rows (a worst-case EP tail): left unwritten
   const int64_t packs = F / V;
   const Pack<T, V>* hv = reinterpret_cast<const Pack<T, V>*>(h + r * 2 * F);
   const Pack<T, V>* gv = reinterpret_cast<const Pack<T, V>*>(g + r * F);
@@ -55,16 +58,16 @@ __global__ void __launch_bounds__(kThreads) swiglu_combine_grad_kernel(const T* 
 
 template <typename T, int V>
 void launch(const void* h, const void* g, const float* w, void* d_h, float* d_w, void* act_w, int64_t rows,
-            int64_t F, cudaStream_t stream) {
+            int64_t F, const int32_t* valid, int64_t M, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(ceil_div(rows, kThreads / 32));
   swiglu_combine_grad_kernel<T, V><<<blocks, kThreads, 0, stream>>>(
       static_cast<const T*>(h), static_cast<const T*>(g), w, static_cast<T*>(d_h), d_w, static_cast<T*>(act_w),
-      rows, F);
+      rows, F, valid, M);
 }
 
 ffi::Error SwigluCombineGradImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> w,
-                                 ffi::Result<ffi::AnyBuffer> d_h, ffi::Result<ffi::Buffer<ffi::F32>> d_w,
-                                 ffi::Result<ffi::AnyBuffer> act_w) {
+                                 ffi::Buffer<ffi::S32> valid, ffi::Result<ffi::AnyBuffer> d_h,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> d_w, ffi::Result<ffi::AnyBuffer> act_w) {
   if (!is_float_type(h.element_type()) || g.element_type() != h.element_type() ||
       d_h->element_type() != h.element_type() || act_w->element_type() != h.element_type())
     return invalid("swiglu_combine_grad: h, g, d_h and act_w must share one dtype of float32/bfloat16/float16");
@@ -78,7 +81,10 @@ ffi::Error SwigluCombineGradImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Any
   if (hd[rank - 1] != 2 * F) return invalid("swiglu_combine_grad: h must be [..., 2F] for g [..., F]");
   if (act_w->dimensions().size() != gd.size() || !std::equal(gd.begin(), gd.end(), act_w->dimensions().begin()))
     return invalid("swiglu_combine_grad: act_w must be [..., F] like g");
-  const int64_t rows = leading_product(hd, 1);
+  if (rank < 2 || static_cast<int64_t>(valid.dimensions().size()) != rank - 2 ||
+      !std::equal(valid.dimensions().begin(), valid.dimensions().end(), hd.begin()))
+    return invalid("swiglu_combine_grad: expected valid [...] (rows to compute of each [M, 2F] problem of h)");
+  const int64_t rows = leading_product(hd, 1), M = hd[rank - 2];
   if (rows == 0) return ffi::Error::Success();
   if (rows >= (int64_t{1} << 36)) return invalid("swiglu_combine_grad: too many rows");
   const void *h_p = h.untyped_data(), *g_p = g.untyped_data();
@@ -90,9 +96,10 @@ ffi::Error SwigluCombineGradImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Any
     using T = decltype(zero);
     constexpr int kWide = 16 / sizeof(T);
     if (aligned && F % kWide == 0)
-      launch<T, kWide>(h_p, g_p, w.typed_data(), dh_p, d_w->typed_data(), aw_p, rows, F, stream);
+      launch<T, kWide>(h_p, g_p, w.typed_data(), dh_p, d_w->typed_data(), aw_p, rows, F, valid.typed_data(), M,
+                       stream);
     else
-      launch<T, 1>(h_p, g_p, w.typed_data(), dh_p, d_w->typed_data(), aw_p, rows, F, stream);
+      launch<T, 1>(h_p, g_p, w.typed_data(), dh_p, d_w->typed_data(), aw_p, rows, F, valid.typed_data(), M, stream);
   });
   return last_cuda_error("swiglu_combine_grad");
 }
@@ -105,7 +112,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_swiglu_combine_grad, turbo_moe::SwigluCo
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()                 // h [..., 2F]
                                   .Arg<xla::ffi::AnyBuffer>()                 // g [..., F]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // w [...]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // w [..., M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // valid [...]: rows to compute
                                   .Ret<xla::ffi::AnyBuffer>()                 // d_h [..., 2F]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_w [...]
                                   .Ret<xla::ffi::AnyBuffer>(),                // act_w [..., F]

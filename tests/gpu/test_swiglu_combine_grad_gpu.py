@@ -41,3 +41,16 @@ def test_matches_float64_and_cpu(rows, F, dtype):
                                atol=ulp * np.abs(want_aw).max() * 1e-2)
     again = jax.jit(ops.swiglu_combine_grad)(*(jax.device_put(a, GPU) for a in (h, g, w)))
     assert np.array_equal(np.asarray(again[1]), np.asarray(d_w)), "d_w must be deterministic"
+
+
+def test_valid_rows_leaves_the_rest_alone_and_matches_below():
+    """valid_rows (the expert block's worst-case EP tail): the rows below the count equal the full call's bit for bit."""
+    rng = np.random.default_rng()
+    h = jnp.asarray(rng.standard_normal((2, 300, 256)) * 3, jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((2, 300, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.random((2, 300)), jnp.float32)
+    full = jax.jit(ops.swiglu_combine_grad)(h, g, w)
+    part = jax.jit(ops.swiglu_combine_grad)(h, g, w, jnp.asarray([300, 37], jnp.int32))
+    for a, b in zip(part, full):
+        assert np.array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+        assert np.array_equal(np.asarray(a[1, :37], np.float32), np.asarray(b[1, :37], np.float32))

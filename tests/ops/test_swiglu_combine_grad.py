@@ -83,3 +83,20 @@ def test_bad_input_names_the_argument():
         swiglu_combine_grad(h, g.astype(jnp.bfloat16), w)
     with pytest.raises((TypeError, ValueError), match="h"):
         swiglu_combine_grad(h.astype(jnp.int32), g.astype(jnp.int32), w)
+
+
+def test_valid_rows_computes_the_leading_rows_of_each_problem():
+    """valid_rows (the expert block under EP): rows below the count equal the full call's; rows from it on are left
+    to the caller (NaN on the CPU, so that a reader shows); one count a problem of the leading dims."""
+    h, g, w = _inputs(5, 30, 16, jnp.float32, lead=(2,))  # two problems of 30 rows
+    full = swiglu_combine_grad(h, g, w)
+    part = swiglu_combine_grad(h, g, w, jnp.asarray([30, 7], jnp.int32))
+    for a, b in zip(part, full):
+        np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
+        np.testing.assert_array_equal(np.asarray(a)[1, :7], np.asarray(b)[1, :7])
+        if jax.default_backend() == "cpu":
+            assert np.isnan(np.asarray(a)[1, 7:]).all()
+    with pytest.raises(ValueError, match="valid_rows must be"):
+        swiglu_combine_grad(h, g, w, jnp.int32(3))
+    with pytest.raises(TypeError, match="valid_rows"):
+        swiglu_combine_grad(h, g, w, jnp.asarray([3.0, 1.0]))

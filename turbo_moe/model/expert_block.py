@@ -123,7 +123,10 @@ def _block_bwd(n_experts, gemm, swiglu_kernels, residuals, cotangents):
         with jax.named_scope("grouped_gemm"):
             g_act = swiglu_kernels.data_grad(g_rows, w_down, group_sizes)  # g @ W^T
         with jax.named_scope("swiglu"):
-            d_h, d_w_rows, act_w = swiglu_combine_grad(h, g_act, w_rows[:, 0])
+            # only the group rows: a worst-case EP buffer is mostly tail (d_w_rows is read by row index, d_h and
+            # act_w by the GEMMs, by group)
+            valid = None if zero_tail else jnp.sum(group_sizes).astype(jnp.int32)
+            d_h, d_w_rows, act_w = swiglu_combine_grad(h, g_act, w_rows[:, 0], valid)
         with jax.named_scope("grouped_gemm"):
             d_w_down = swiglu_kernels.weight_grad(act_w, g_rows, group_sizes).astype(w_down.dtype)  # (w act)^T @ g
     else:

@@ -18,9 +18,13 @@ from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call
 
 
-def swiglu_combine_grad(h, g, w):
+def swiglu_combine_grad(h, g, w, valid_rows=None):
     """h (..., 2F), g (..., F) of one float dtype, w (...) -> (d_h (..., 2F) like h, d_w (...) float32,
-    act_w (..., F) like g)."""
+    act_w (..., F) like g).
+
+    valid_rows: None (every row), or int32 of h's shape[:-2]: the rows of each (M, 2F) problem to compute; rows from
+    it on are left unspecified (unwritten on CUDA, NaN on the CPU), for the expert block, whose worst-case EP
+    buffers are mostly rows past the groups that nothing reads."""
     _checks.float_dtype("h", h.dtype)
     if g.dtype != h.dtype:
         raise TypeError(f"g must have h's dtype {h.dtype}, got {g.dtype}")
@@ -30,7 +34,15 @@ def swiglu_combine_grad(h, g, w):
         raise ValueError(f"g must be (..., F) = {h.shape[:-1] + (h.shape[-1] // 2,)} for h {h.shape}, got {g.shape}")
     if w.shape != h.shape[:-1]:
         raise ValueError(f"w must be (...) = {h.shape[:-1]} (one combine weight a row of h), got {w.shape}")
+    if h.ndim == 1:  # one row: the kernels take (..., M, 2F)
+        return tuple(out[0] for out in swiglu_combine_grad(h[None], g[None], w[None], valid_rows))
+    if valid_rows is None:
+        valid_rows = jnp.full(h.shape[:-2], h.shape[-2], jnp.int32)
+    _checks.check_integer("valid_rows", valid_rows)
+    if jnp.shape(valid_rows) != h.shape[:-2]:
+        raise ValueError(f"valid_rows must be {h.shape[:-2]} (one count a problem of h {h.shape}), "
+                         f"got {jnp.shape(valid_rows)}")
     return tuple(ffi_call("turbo_moe_swiglu_combine_grad",
                           (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
                            jax.ShapeDtypeStruct(g.shape, h.dtype)),
-                          h, g, w.astype(jnp.float32)))
+                          h, g, w.astype(jnp.float32), jnp.asarray(valid_rows).astype(jnp.int32)))
