@@ -41,9 +41,8 @@ def main():
         h_f, act_f = ops.grouped_gemm_swiglu(lhs, rhs, gs, zero_tail=False)  # the expert block's: tail unwritten
         dgrad_f = ops.grouped_gemm(d_out, rhs, gs, transpose_rhs=True, zero_tail=False)
         rows = int(np.clip(np.cumsum(np.maximum(sizes, 0)), 0, M)[-1])
-        print(f"zero_tail=False {jnp.dtype(dtype).name} N={N}: group rows equal "
-              f"{bool(np.array_equal(f32(h_f)[:rows], f32(h)[:rows]) and np.array_equal(f32(act_f)[:rows], f32(act)[:rows]) and np.array_equal(f32(dgrad_f)[:rows], f32(dgrad)[:rows]))}",
-              flush=True)
+        same = all(np.array_equal(f32(a)[:rows], f32(b)[:rows]) for a, b in ((h_f, h), (act_f, act), (dgrad_f, dgrad)))
+        print(f"zero_tail=False {jnp.dtype(dtype).name} N={N}: group rows equal {same}", flush=True)
         w_rows = jax.device_put(jnp.asarray(rng.random(M), jnp.float32), gpu)
         d_h, d_w, act_w = ops.swiglu_combine_grad(h, act, w_rows)  # act as the cotangent: any (M, F) of h's dtype
         print(f"swiglu_combine_grad {jnp.dtype(dtype).name} F={N // 2}: d_w finite {bool(np.isfinite(f32(d_w)).all())}"

@@ -68,7 +68,8 @@ def test_too_small_workspace_is_refused_by_name():
     tiny = jax.ShapeDtypeStruct((8,), jnp.uint8)
     call = jax.ffi.ffi_call("turbo_moe_grouped_gemm", (jax.ShapeDtypeStruct((M, N), jnp.bfloat16), tiny))
     with pytest.raises(Exception, match=r"grouped_gemm: workspace of 8 bytes, this call needs \d+"):
-        jax.block_until_ready(jax.jit(lambda a, b, s: call(a, b, s, transpose_rhs=False, zero_tail=True))(lhs, rhs, sizes))
+        jax.block_until_ready(jax.jit(lambda a, b, s: call(a, b, s, transpose_rhs=False, zero_tail=True))(
+            lhs, rhs, sizes))
     x, ids = jnp.ones((M, K), jnp.bfloat16), jnp.zeros((M, 2), jnp.int32)
     out = (jax.ShapeDtypeStruct((2 * M, K), jnp.bfloat16), jax.ShapeDtypeStruct((G,), jnp.int32),
            jax.ShapeDtypeStruct((M, 2), jnp.int32), tiny)

@@ -43,8 +43,8 @@ def test_matches_float64_and_cpu(rows, F, dtype):
     assert np.array_equal(np.asarray(again[1]), np.asarray(d_w)), "d_w must be deterministic"
 
 
-def test_valid_rows_leaves_the_rest_alone_and_matches_below():
-    """valid_rows (the expert block's worst-case EP tail): the rows below the count equal the full call's bit for bit."""
+def test_valid_rows_match_the_full_call_below_the_count():
+    """valid_rows (the expert block's worst-case EP tail): rows below the count equal the full call's bit for bit."""
     rng = np.random.default_rng()
     h = jnp.asarray(rng.standard_normal((2, 300, 256)) * 3, jnp.bfloat16)
     g = jnp.asarray(rng.standard_normal((2, 300, 128)), jnp.bfloat16)

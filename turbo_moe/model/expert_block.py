@@ -61,18 +61,17 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
                   swiglu_kernels)
 
 
-def _zero_tail(swiglu_kernels) -> bool:
-    """Whether the block's permutes write zeros past the groups: without the SwiGLU kernels, or where their GEMMs
-    do too (`gemms.tail_zeroed`)."""
-    return swiglu_kernels is None or tail_zeroed()
+def _gemm_and_zero_tail(gemm, swiglu_kernels):
+    """(the block's GEMM, whether its permutes write zeros past the groups). With the SwiGLU kernels every buffer of
+    T*k rows leaves its rows past the groups unwritten (only group rows are read: the GEMMs go by group sizes,
+    unpermute by the row index; `gemms.SWIGLU_KERNELS`), unless `gemms.tail_zeroed()`."""
+    if swiglu_kernels is None:
+        return gemm, True
+    return swiglu_kernels.gemm, tail_zeroed()
 
 
 def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, swiglu_kernels):
-    # With the SwiGLU kernels every buffer of T*k rows leaves its rows past the groups unwritten (only group rows
-    # are read: the GEMMs go by group sizes, unpermute by the row index), `gemms.SWIGLU_KERNELS`
-    zero_tail = _zero_tail(swiglu_kernels)
-    if swiglu_kernels is not None:
-        gemm = swiglu_kernels.gemm
+    gemm, zero_tail = _gemm_and_zero_tail(gemm, swiglu_kernels)
     with jax.named_scope("permute"):
         rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts, zero_tail)[:3]
     group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
@@ -109,9 +108,7 @@ def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm
 def _block_bwd(n_experts, gemm, swiglu_kernels, residuals, cotangents):
     tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
     d_y = cotangents[0]  # (T, D); group_sizes are integers
-    zero_tail = _zero_tail(swiglu_kernels)  # as in _forward
-    if swiglu_kernels is not None:
-        gemm = swiglu_kernels.gemm
+    gemm, zero_tail = _gemm_and_zero_tail(gemm, swiglu_kernels)
     with jax.named_scope("unpermute"):
         g_rows = permute_rows_call(d_y.astype(h.dtype), row_index, group_sizes, zero_tail)  # unweighted rows of g
         # each row's combine weight (0 for rows no copy fills): one XLA scatter of T*k scalars (~2 us a layer; the

@@ -57,13 +57,15 @@ def tail_zeroed() -> bool:
 def turbo_gate_up_swiglu(rows, w, group_sizes):
     from turbo_moe import ops
 
-    return ops.grouped_gemm_swiglu(rows, w, group_sizes, zero_tail=tail_zeroed())  # (M, K) x (E, K, 2F) -> (M, 2F), (M, F)
+    # (M, K) x (E, K, 2F) -> (M, 2F), (M, F)
+    return ops.grouped_gemm_swiglu(rows, w, group_sizes, zero_tail=tail_zeroed())
 
 
 def turbo_data_grad(d_out, w, group_sizes):
     from turbo_moe import ops
 
-    return ops.grouped_gemm(d_out, w, group_sizes, transpose_rhs=True, zero_tail=tail_zeroed())  # (M, N) x (E, K, N)^T -> (M, K)
+    # (M, N) x (E, K, N)^T -> (M, K)
+    return ops.grouped_gemm(d_out, w, group_sizes, transpose_rhs=True, zero_tail=tail_zeroed())
 
 
 def turbo_weight_grad(lhs, d_out, group_sizes):
@@ -75,7 +77,7 @@ def turbo_weight_grad(lhs, d_out, group_sizes):
 def turbo_gemm_group_rows(rows, w, group_sizes):
     from turbo_moe import ops
 
-    return ops.grouped_gemm(rows, w, group_sizes, zero_tail=tail_zeroed())  # (M, K) x (E, K, N) -> (M, N), tail unwritten
+    return ops.grouped_gemm(rows, w, group_sizes, zero_tail=tail_zeroed())  # (M, K) x (E, K, N) -> (M, N)
 
 
 class SwigluKernels(NamedTuple):
