@@ -18,13 +18,23 @@ COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attention")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_unpadded")  # turbo_moe/model/layers.py: causal_attention
-ROUTER_TOPK_IMPLS = ("xla", "kernel")
-EMBEDDING_GRADS = ("scatter", "matmul", "segment")  # turbo_moe/model/embedding.py
-EXPERT_BACKWARDS = ("autodiff", "block")  # turbo_moe/model/expert_block.py
-SWIGLU_IMPLS = ("auto", "kernel", "xla")  # turbo_moe/model/gemms.py: swiglu_kernels
+EP_LAYOUTS = ("auto", "dense", "packed", "ragged")  # turbo_moe.ops.moe_dispatch's layouts
 ROUTER_BIAS_UPDATES = ("sign", "proportional")
 HEAD_BIASES = ("none", "zero", "unigram")
 LOGITS_DTYPES = ("float32", "bfloat16")
+# Fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a removed
+# field set to the kept behaviour (old records and specs), and refuses any other value with the reason.
+REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
+    "cast_params_before_scan": (True, "the stacked weights are always cast to the compute dtype before the layer scan"),
+    "router_topk_impl": ("auto", "the router_topk kernel picks the experts on GPUs, jnp elsewhere (the same picks)"),
+    "embedding_grad": ("segment", "the embedding's backward is always turbo_moe.ops.segment_sum"),
+    "expert_backward": ("block", "the permute exchange's experts always run as one expert block"),
+    "swiglu_impl": ("auto", "the SwiGLU kernels run on GPUs, XLA's fusions elsewhere"),
+    "router_center_ema": (0.0, "router centering by a running mean lost to router_center_causal"),
+    "router_bias_rate_start": (0.0, "the bias update rate is router_bias_rate throughout"),
+    "router_bias_rate_decay_steps": (0, "the bias update rate is router_bias_rate throughout"),
+}
+
 # The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.
 MAX_SEQ_LOAD_CHUNKS = 64
 
@@ -85,19 +95,23 @@ class ModelConfig:
     # > 0: the main and MTP cross-entropies run the head over chunks of ~this many tokens of the batch
     # (`chunked_loss`): no float32 (tokens, vocab) logits or their gradient for the whole batch. 0: unchunked.
     loss_chunk_tokens: int = 0
-    # The output heads' logits as the head GEMM writes them: "float32" (float32 accumulators kept), or "bfloat16"
+    # The output heads' logits as the head GEMM writes them: "float32" (float32 accumulators kept) or "bfloat16"
     # (rounded to bf16 by the GEMM, upcast by the loss: MaxText's default, logits_dot_in_fp32=False with
-    # cast_logits_to_fp32). bf16 halves the bytes the loss's passes read (issue 14); the loss math stays float32.
+    # cast_logits_to_fp32; half the bytes the loss's passes read, the loss math stays float32). A quality/speed
+    # choice: the GPU presets take bfloat16 (docs/performance.md).
     logits_dtype: str = "float32"
     balance_loss_weight: float = 1e-4
     router_bias_rate: float = 1e-3
-    moe_path: str = "ragged"
+    moe_path: str = "turbo"
     capacity_factor: float = 1.25  # dense_cf only; <= 0 computes every expert densely
     # Expert parallelism (used when the ambient mesh has an "expert" axis of size > 1):
     ep_exchange: str = "deepep"  # turbo's exchange: "deepep" (moe_dispatch/combine) | "ragged_all_to_all"
     # deepep slots per source rank as a fraction of its tokens; 0 (or 1) = every token (never drops),
     # in (0, 1) caps the buffers and counts the overflowing copies in dropped_fraction.
     ep_capacity_factor: float = 0.0
+    # deepep's dispatch layout (turbo_moe.ops.moe_dispatch): "auto" (dense worst-case buffers up to 4 ranks, the
+    # real rows only beyond), or one of "dense" | "packed" | "ragged" to trade memory against speed.
+    ep_layout: str = "auto"
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     # What a block keeps for its backward pass (the rest is recomputed): "none" everything, "full" its input,
@@ -107,9 +121,6 @@ class ModelConfig:
     # Run each stack of blocks (dense prefix, MoE blocks) as one jax.lax.scan: compile time independent
     # of depth. False: the same stacked weights in a Python loop (every layer in the HLO; debugging).
     scan_layers: bool = True
-    # Cast the stacked matmul weights (those cast at use) to `dtype` once before the layer scan instead of
-    # each layer's float32 slice inside it: less scan-slicing traffic, bit-identical results (issue 14).
-    cast_params_before_scan: bool = False
     tie_embeddings: bool = False
     # Output-head bias, a float32 (V,) Param added to the main and MTP logits. "unigram": training sets it
     # at init to the training split's log unigram frequencies, so the model need not learn them as one
@@ -132,21 +143,12 @@ class ModelConfig:
     # Router (gate) kernel init std; None: init_std (DeepSeek/Megatron: one std for every projection);
     # d_model ** -0.5 is MaxText's fan-in gate init (experiments/NOTES.md, routing collapse).
     router_init_std: float | None = None
-    # Bias update rate schedule: starts at router_bias_rate_start and decays (half-cosine) to
-    # router_bias_rate over router_bias_rate_decay_steps; 0 for either: router_bias_rate throughout.
-    router_bias_rate_start: float = 0.0
-    router_bias_rate_decay_steps: int = 0
     # "sign": b_i += rate * sign(mean - load_i) (DeepSeek-V3); "proportional": b_i += rate * (mean -
     # load_i) / mean, so an expert at 10x the mean load moves 9 steps' worth at once.
     router_bias_update: str = "sign"
     # Gate kernel stored divided by this factor and multiplied back in the forward: AdamW (updates ~lr
     # per element) then moves the gate at lr * router_lr_scale, without touching the optimizer.
     router_lr_scale: float = 1.0
-    # Router centering (0: off): weight of the newest training batch in a running mean (EMA over steps,
-    # stop-gradient, per MoE layer, a RouterCenter variable beside the bias) of the router's input, whose
-    # direction is projected out of every token before top-k selection only (combine weights unchanged):
-    # the direction all tokens share, which the gate turns into per-expert levels (NOTES, issue 13).
-    router_center_ema: float = 0.0
     # Causal sequence centering of the selection (False: off): top-k reads sigmoid(l_t - mean_{s<=t} l_s),
     # each token's gate logits minus the running mean of its own sequence's so far (stop-gradient; combine
     # weights unchanged). Whatever every token of a sequence shares, the depth- or lr-made shared direction
@@ -162,32 +164,10 @@ class ModelConfig:
     # parallel version moves alike tokens all at once (NOTES).
     router_seq_load_penalty: float = 0.0
     router_seq_load_chunk: int = 128
-    # Who picks the experts: "xla" (jnp: group-limited top-k, the penalty's chunk loop unrolled) or "kernel"
-    # (turbo_moe.ops.router_topk: one FFI call, the penalty fused in; the same picks, the same combine weights).
-    router_topk_impl: str = "xla"
-    # The token embedding's backward (model/embedding.py): "segment" (turbo_moe.ops.segment_sum: the ids sorted, each
-    # id's rows summed in float32 in a fixed order; cost tokens x D whatever V and the ids), "matmul" (one_hot(ids)^T
-    # @ d_hidden in token chunks: cost V x tokens x D) or "scatter" (JAX's scatter-add: atomics that serialise on real
-    # text's frequent tokens). H200, 16,384 tokens, Zipf ids: d 1280 0.7 / 1.1-12.7 / 51-74 ms; d 7168 x V 129,280
-    # 1.5 / 42 / 36 ms (experiments/results/embedding_grad_segment_*h200.csv).
-    embedding_grad: str = "segment"
-    # "auto" (cuDNN on the GPU for bf16/f16, else XLA), "xla", "cudnn", or "cudnn_unpadded" (cuDNN with v at its own
-    # width through JAX's private cuDNN entry point: no v pad; GPU only, elsewhere "auto"; layers.causal_attention)
+    # "auto" (on the GPU for bf16/f16: cuDNN with v at its own width where this JAX has the private entry point
+    # "cudnn_unpadded" needs, else cuDNN with v padded; XLA elsewhere), "xla", "cudnn", or "cudnn_unpadded"
+    # (layers.causal_attention).
     attention_impl: str = "auto"
-    # The routed experts' backward on the paths with the permute exchange (turbo, pallas; under expert parallelism each
-    # rank's local experts):
-    # "block" (model/expert_block.py: one VJP over permute -> experts -> unpermute that keeps neither the permuted rows
-    # nor the down GEMM's output for the backward pass) or "autodiff" (each op's own VJP). `reduced` b8 x 2048 on an
-    # H200: -2.2 to -3.2 ms a step, -6.9 GiB compiled memory; gradients as exact (experiments/NOTES.md, calls 72-76).
-    expert_backward: str = "block"
-    # The expert block's SwiGLU (the turbo GEMM with expert_backward "block"): "kernel" (forward:
-    # turbo_moe.ops.grouped_gemm_swiglu, one FFI call returns h and act, so h's only reader is the layer scan's
-    # residual stack, which XLA then writes in place instead of copying h there; backward: ops.swiglu_combine_grad,
-    # d_h, the combine weights' gradient and act * w in one pass), "xla" (SwiGLU and its backward as XLA fusions),
-    # or "auto": "kernel" on GPUs, "xla" elsewhere (the in-place write is a GPU win; XLA:CPU's vectorised fusions
-    # beat the CPU handlers' scalar exp by ~6% a `small` step: NOTES, issue 14). Other GEMMs and the autodiff
-    # backward always take "xla".
-    swiglu_impl: str = "auto"
 
     def __post_init__(self):
         _validate(self)
@@ -236,6 +216,9 @@ class ModelConfig:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             name = MAXTEXT_ALIASES.get(key, key)
+            if name in REMOVED_FIELDS:
+                _check_removed(name, value)
+                continue
             if name not in known:
                 raise ValueError(f"unknown ModelConfig field {key!r}; known fields: {sorted(known)}")
             if name in kwargs:
@@ -268,6 +251,13 @@ def _canonical_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"ModelConfig field {name!r} given twice (as {key!r} and an alias)")
         renamed[name] = value
     return renamed
+
+
+def _check_removed(name: str, value: Any) -> None:
+    kept, why = REMOVED_FIELDS[name]
+    same = value == kept or (isinstance(kept, str) and value in ("kernel", "xla") and kept == "auto")
+    if not same or isinstance(value, bool) != isinstance(kept, bool):
+        raise ValueError(f"ModelConfig field {name!r} was removed ({why}); got {value!r}: drop it from the config")
 
 
 def _coerce(name: str, value: Any, type_name: Any) -> Any:
@@ -343,13 +333,7 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
     _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
              f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
-    _require(c.embedding_grad in EMBEDDING_GRADS, "embedding_grad",
-             f"got {c.embedding_grad!r}; expected one of {EMBEDDING_GRADS}")
-    _require(c.expert_backward in EXPERT_BACKWARDS, "expert_backward",
-             f"got {c.expert_backward!r}; expected one of {EXPERT_BACKWARDS}")
-    _require(c.swiglu_impl in SWIGLU_IMPLS, "swiglu_impl", f"got {c.swiglu_impl!r}; expected one of {SWIGLU_IMPLS}")
-    _require(c.router_topk_impl in ROUTER_TOPK_IMPLS, "router_topk_impl",
-             f"got {c.router_topk_impl!r}; expected one of {ROUTER_TOPK_IMPLS}")
+    _require(c.ep_layout in EP_LAYOUTS, "ep_layout", f"got {c.ep_layout!r}; expected one of {EP_LAYOUTS}")
     _require(c.head_bias in HEAD_BIASES, "head_bias", f"got {c.head_bias!r}; expected one of {HEAD_BIASES}")
     _require(c.logits_dtype in LOGITS_DTYPES, "logits_dtype", f"got {c.logits_dtype!r}; expected one of {LOGITS_DTYPES}")
     _require(c.router_bias_update in ROUTER_BIAS_UPDATES, "router_bias_update",
@@ -366,12 +350,6 @@ def _validate(c: ModelConfig) -> None:
         isinstance(c.router_init_std, (int, float)) and math.isfinite(c.router_init_std)
         and c.router_init_std > 0), "router_init_std",
         f"must be None or a positive finite number, got {c.router_init_std!r}")
-    _require(isinstance(c.router_bias_rate_decay_steps, int) and not isinstance(c.router_bias_rate_decay_steps, bool)
-             and c.router_bias_rate_decay_steps >= 0, "router_bias_rate_decay_steps",
-             f"must be a non-negative int, got {c.router_bias_rate_decay_steps!r}")
-    _require(isinstance(c.router_center_ema, (int, float)) and not isinstance(c.router_center_ema, bool)
-             and 0 <= c.router_center_ema <= 1, "router_center_ema",
-             f"must be a number in [0, 1] (0: off), got {c.router_center_ema!r}")
     _require(isinstance(c.router_center_causal, bool), "router_center_causal",
              f"must be a bool, got {c.router_center_causal!r}")
     _require(isinstance(c.router_seq_load_penalty, (int, float)) and not isinstance(c.router_seq_load_penalty, bool)
@@ -384,9 +362,7 @@ def _validate(c: ModelConfig) -> None:
     _require(c.router_seq_load_penalty == 0 or n_chunks <= MAX_SEQ_LOAD_CHUNKS, "router_seq_load_chunk",
              f"{c.router_seq_load_chunk} makes {n_chunks} chunks of a {c.max_seq_len}-token sequence, each unrolled "
              f"into the program; at most {MAX_SEQ_LOAD_CHUNKS} (chunk >= {-(-c.max_seq_len // MAX_SEQ_LOAD_CHUNKS)})")
-    _require(not (c.router_center_causal and c.router_center_ema > 0), "router_center_causal",
-             f"and router_center_ema={c.router_center_ema} are two centerings of the same selection: set one")
-    for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate", "router_bias_rate_start"):
+    for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,
                  f"must be a finite number >= 0, got {value!r}")
@@ -396,7 +372,7 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
     _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
              "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
-    for name in ("tie_embeddings", "scan_layers", "cast_params_before_scan", "zero_init_out_proj"):
+    for name in ("tie_embeddings", "scan_layers", "zero_init_out_proj"):
         _require(isinstance(getattr(c, name), bool), name, f"must be a bool, got {getattr(c, name)!r}")
 
 
@@ -433,7 +409,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         n_experts=64, n_shared_experts=1, top_k=6, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,
         n_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
         v_head_dim=64, max_seq_len=2048, mtp_depth=1, mtp_loss_weight=0.3, balance_loss_weight=1e-4,
-        remat_policy="dots_no_batch", init_std=0.006,
+        remat_policy="dots_experts_attention", init_std=0.006, loss_chunk_tokens=4096, logits_dtype="bfloat16",
         head_bias="unigram", zero_init_out_proj=True, router_lr_scale=0.1, router_bias_update="proportional",
         router_bias_rate=1e-2, router_center_causal=True, router_seq_load_penalty=0.1,
     ),
@@ -444,6 +420,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, rope_theta=10000.0, max_seq_len=4096, mtp_depth=1, mtp_loss_weight=0.3,
         balance_loss_weight=1e-4, router_bias_rate=1e-3, remat_policy="full", init_std=0.006,
+        loss_chunk_tokens=4096, logits_dtype="bfloat16",
     ),
 }
 

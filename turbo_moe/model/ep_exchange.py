@@ -14,7 +14,6 @@ Buffers are static worst cases (ragged: P*T*k received rows), so no count ever g
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +24,7 @@ from turbo_moe.ops.varying import make_varying, varying_axes
 
 # What deepep's dispatch delivered (rows, local ids, weights), named for the remat policies: the policy
 # "dots_experts_attention" saves it, so the backward pass does not run the dispatch's collectives again
-# (the expert block's backward copies its rows from these). Env TURBO_MOE_EP_SAVE_RECEIVED=0 leaves it
-# unnamed: a switch for side-by-side benchmarks (experiments/NOTES.md, issue 14).
+# (the expert block's backward copies its rows from these).
 EP_RECEIVED_NAME = "moe_ep_received"
 
 
@@ -52,27 +50,22 @@ def ragged_all_to_all(local, *, axis_name: str, impl: str, **_):
     return exchange
 
 
-def deepep(local, *, axis_name: str, capacity: int | None, impl: str = NATIVE, **_):
+def deepep(local, *, axis_name: str, capacity: int | None, impl: str = NATIVE, layout: str = "auto", **_):
     """EP exchange through turbo_moe.ops.moe_dispatch / moe_combine around a token exchange `local`.
 
     capacity: token slots per source rank (None: T, the worst case); overflowing copies are dropped.
-    The dispatch layout is moe_dispatch's "auto" unless env TURBO_MOE_DEEPEP_LAYOUT names one
-    (dense | packed | ragged: a switch for side-by-side benchmarks), and the dense layout's collectives
-    moe_dispatch's default unless env TURBO_MOE_DEEPEP_DENSE_VIA names them (all_gather | all_to_all | permute)."""
-    layout = os.environ.get("TURBO_MOE_DEEPEP_LAYOUT", "auto")
-    dense_via = os.environ.get("TURBO_MOE_DEEPEP_DENSE_VIA", "auto")
-    save_received = os.environ.get("TURBO_MOE_EP_SAVE_RECEIVED", "1") != "0"
-
+    layout: moe_dispatch's ("auto" | "dense" | "packed" | "ragged"; `ModelConfig.ep_layout`). The received rows are
+    named for the remat policy "dots_experts_attention", which keeps them: its backward then needs no second
+    dispatch."""
     def exchange(tokens, expert_ids, combine_w, n_experts: int, ffn):
         from turbo_moe import ops
 
         n_local = n_experts // jax.lax.axis_size(axis_name)
         recv_x, recv_ids, recv_w, handle = ops.moe_dispatch(
             tokens, expert_ids, combine_w, num_experts=n_experts, axis_name=axis_name, capacity=capacity,
-            layout=layout, impl=impl, dense_via=dense_via)
+            layout=layout, impl=impl)
         # recv_x (P*C, D): one row per (source token, this rank); recv_ids (P*C, k) local ids, -1 = none.
-        if save_received:
-            recv_x, recv_ids, recv_w = (saved(t, EP_RECEIVED_NAME) for t in (recv_x, recv_ids, recv_w))
+        recv_x, recv_ids, recv_w = (saved(t, EP_RECEIVED_NAME) for t in (recv_x, recv_ids, recv_w))
         per_token, computed = local(recv_x, recv_ids, recv_w, n_local, ffn)  # (P*C, D) local experts summed
         return ops.moe_combine(per_token, handle, axis_name=axis_name), computed  # (T, D)
 

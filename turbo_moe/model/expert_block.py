@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.experts import EXPERT_SAVE_NAMES, ExpertWeights, GroupedGemm, saved, swiglu_fused
-from turbo_moe.model.gemms import tail_zeroed
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import match_varying
 from turbo_moe.ops.permute import ROW_INDEX_NAME, _permute_call, permute_rows_call
@@ -64,10 +63,10 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
 def _gemm_and_zero_tail(gemm, swiglu_kernels):
     """(the block's GEMM, whether its permutes write zeros past the groups). With the SwiGLU kernels every buffer of
     T*k rows leaves its rows past the groups unwritten (only group rows are read: the GEMMs go by group sizes,
-    unpermute by the row index; `gemms.SWIGLU_KERNELS`), unless `gemms.tail_zeroed()`."""
+    unpermute by the row index; `gemms.SWIGLU_KERNELS`)."""
     if swiglu_kernels is None:
         return gemm, True
-    return swiglu_kernels.gemm, tail_zeroed()
+    return swiglu_kernels.gemm, False
 
 
 def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm, swiglu_kernels):

@@ -74,13 +74,14 @@ def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
 
 def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacity_factor: float = 1.25,
                 ep_exchange: str = "deepep", ep_capacity_factor: float = 0.0, exchange_impl: str | None = None,
-                expert_backward: str = "block", swiglu_impl: str = "auto"):
+                ep_layout: str = "auto", expert_backward: str = "block", swiglu_impl: str = "auto"):
     """A MoE path `(x (B, S, D), routing, weights) -> (y, ExpertStats)` running expert-parallel.
 
     mesh: a Mesh with an `expert_axis` (None: the ambient mesh of `jax.set_mesh`). B must divide by
     the number of devices and E by the expert-axis size. exchange_impl: "native" ragged_all_to_all or
-    the "emulated" one (CPU); default by the mesh's platform. expert_backward, swiglu_impl: `ModelConfig`'s, for
-    each rank's local experts (the permute exchange inside the EP wrappers).
+    the "emulated" one (CPU); default by the mesh's platform. ep_layout: deepep's dispatch layout
+    (`ModelConfig.ep_layout`). expert_backward ("block" | "autodiff"), swiglu_impl ("auto" | "kernel" | "xla"): each
+    rank's local experts' backward and SwiGLU; the model always runs the defaults, the others are test references.
     """
     if path not in MOE_PATHS:
         raise ValueError(f"path: unknown MoE path {path!r}; expected one of {MOE_PATHS}")
@@ -108,7 +109,8 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
                              f"{dict(mesh.shape)}")
         require(row.gemm, path)
         exchange = build_exchange(row, seq_len=s, capacity_factor=capacity_factor, axis_name=expert_axis,
-                                  impl=impl, capacity=deepep_capacity(b * s // n_devices, ep_capacity_factor))
+                                  impl=impl, capacity=deepep_capacity(b * s // n_devices, ep_capacity_factor),
+                                  layout=ep_layout)
 
         def sharded(x, ids, combine_w, w):
             w_local = _varying_like(w.astype(x.dtype), batch_axes)

@@ -10,14 +10,13 @@ gate/up GEMM and SwiGLU as one call returning (h, act), and the down GEMM's data
 calls (the weight gradient's lhs, act * w, comes out of `ops.swiglu_combine_grad`, which needs the data gradient),
 and the block's other GEMMs. They leave the rows past the groups unwritten (`zero_tail=False`): the expert block
 reads only group rows, and under expert parallelism its buffers are the dropless worst case, P * T * k rows of
-which ~T * k are real (zero-filling the rest cost more than the GEMMs at EP=4: experiments/NOTES.md, issue 14).
+which ~T * k are real (zero-filling the rest cost more than the GEMMs at EP=4: docs/performance.md).
 
 `require(name, moe_path)` raises at trace time when the devices cannot run a GEMM.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -47,25 +46,18 @@ def pallas_gemm(rows, w, group_sizes):
     return pallas_grouped_gemm(rows, w, group_sizes)  # (M, K) x (E, K, N) -> (M, N)
 
 
-def tail_zeroed() -> bool:
-    """False (the default): the SwiGLU kernels' GEMMs and the expert block's permutes leave the rows past the groups
-    unwritten. Env TURBO_MOE_EXPERT_BLOCK_ZERO_TAIL=1 (read while tracing) writes zeros there as before: a switch
-    for side-by-side benchmarks (experiments/NOTES.md, issue 14)."""
-    return os.environ.get("TURBO_MOE_EXPERT_BLOCK_ZERO_TAIL", "0") == "1"
-
-
 def turbo_gate_up_swiglu(rows, w, group_sizes):
     from turbo_moe import ops
 
     # (M, K) x (E, K, 2F) -> (M, 2F), (M, F)
-    return ops.grouped_gemm_swiglu(rows, w, group_sizes, zero_tail=tail_zeroed())
+    return ops.grouped_gemm_swiglu(rows, w, group_sizes, zero_tail=False)
 
 
 def turbo_data_grad(d_out, w, group_sizes):
     from turbo_moe import ops
 
     # (M, N) x (E, K, N)^T -> (M, K)
-    return ops.grouped_gemm(d_out, w, group_sizes, transpose_rhs=True, zero_tail=tail_zeroed())
+    return ops.grouped_gemm(d_out, w, group_sizes, transpose_rhs=True, zero_tail=False)
 
 
 def turbo_weight_grad(lhs, d_out, group_sizes):
@@ -77,7 +69,7 @@ def turbo_weight_grad(lhs, d_out, group_sizes):
 def turbo_gemm_group_rows(rows, w, group_sizes):
     from turbo_moe import ops
 
-    return ops.grouped_gemm(rows, w, group_sizes, zero_tail=tail_zeroed())  # (M, K) x (E, K, N) -> (M, N)
+    return ops.grouped_gemm(rows, w, group_sizes, zero_tail=False)  # (M, K) x (E, K, N) -> (M, N)
 
 
 class SwigluKernels(NamedTuple):

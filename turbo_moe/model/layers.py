@@ -169,13 +169,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax
 
     q, k (B, S, H, Dqk); v (B, S, H, Dv) -> (B, S, H, Dv). jax.nn.dot_product_attention needs one head
     dim for q, k and v, so the smaller side is zero-padded (zeros change neither scores nor outputs) and
-    the result sliced; the scale stays 1/sqrt(Dqk). impl "auto": cuDNN flash attention on GPU for
-    bf16/f16 when cuDNN accepts the shapes, XLA otherwise. "cudnn_unpadded": cuDNN with v at its own width
-    through JAX's private cuDNN entry point (`_cudnn_unpadded`), on the GPU; elsewhere (or without that
-    entry point, said once) as "auto".
+    the result sliced; the scale stays 1/sqrt(Dqk). impl "auto" (= "cudnn_unpadded"): on the GPU for bf16/f16,
+    cuDNN with v at its own width through JAX's private cuDNN entry point (`_cudnn_unpadded`), else (without that
+    entry point, said once) cuDNN flash attention with v padded when cuDNN accepts the shapes; XLA otherwise.
+    "cudnn": cuDNN with v padded; "xla": XLA's.
     """
     d_qk, d_v = q.shape[-1], v.shape[-1]
-    if impl == "cudnn_unpadded" and d_qk != d_v and _cudnn_applies(q):
+    if impl in ("auto", "cudnn_unpadded") and d_qk != d_v and _cudnn_applies(q):
         unpadded = _cudnn_unpadded()
         if unpadded is not None:
             q, k, v = (checkpoint_name(t, ATTENTION_SAVE_NAME) for t in (q, k, v))
@@ -207,11 +207,11 @@ def _cudnn_applies(q: jax.Array) -> bool:
 def _cudnn_unpadded():
     """JAX's own cuDNN attention entry point, which takes v narrower than q and k (jax.nn.dot_product_attention
     checks one head dim for all three); it saves the v pad, its slice and a sixth of the kernel's work at MLA's
-    head dims (experiments/NOTES.md, issue 14). Private: None, with a warning, on a JAX without it."""
+    head dims (docs/performance.md). Private: None, with a warning, on a JAX without it."""
     try:
         from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
     except ImportError as error:
-        warnings.warn(f"attention_impl='cudnn_unpadded': this JAX ({jax.__version__}) has no "
+        warnings.warn(f"attention_impl 'auto' / 'cudnn_unpadded': this JAX ({jax.__version__}) has no "
                       f"jax._src.cudnn.fused_attention_stablehlo ({error}); v is padded instead", RuntimeWarning)
         return None
     return lambda q, k, v, scale: dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL)

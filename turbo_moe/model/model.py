@@ -16,7 +16,7 @@ from turbo_moe.model.chunked_loss import chunked_cross_entropy
 from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.embedding import lookup
 from turbo_moe.model.layers import RMSNorm, compute_dtype, linear, rope_tables
-from turbo_moe.model.router import RouterBias, RouterCenter, updated_bias, updated_center
+from turbo_moe.model.router import RouterBias, updated_bias
 from turbo_moe.model.stack import BlockStack, DecoderBlock, StackStats, apply_block, concat_stats
 
 
@@ -95,7 +95,7 @@ class DeepSeekModel(nnx.Module):
     def _embed(self, ids: jax.Array) -> jax.Array:
         """nnx.Embed's lookup (the table cast to the compute dtype) with the configured backward."""
         table = self.embed.embedding[...].astype(self.embed.dtype or self.embed.embedding.dtype)
-        return lookup(table, ids, self.cfg.embedding_grad)
+        return lookup(table, ids)
 
     def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *, apply_head: bool = True
                  ) -> ModelOutput:
@@ -133,8 +133,6 @@ class DeepSeekModel(nnx.Module):
                 if layer_stats is not None:
                     stats.append(layer_stats)
                 mtp_logits.append(head(module.final_norm(h)))
-        if cfg.router_center_ema > 0:
-            self._update_router_centers([s.router_center for s in stats])
         per_layer = concat_stats([StackStats(*s[:3]) for s in stats], cfg.n_experts)
         n_rows = per_layer.expert_load.shape[0]
         zero = jnp.zeros((), jnp.float32)
@@ -149,18 +147,6 @@ class DeepSeekModel(nnx.Module):
         one (E,) per MoE MTP block."""
         biases = [self.moe_layers.blocks.ffn.router.bias] if self.moe_layers is not None else []
         return biases + [m.block.ffn.router.bias for m in self.mtp if m.block.is_moe]
-
-    def router_centers(self) -> list[RouterCenter]:
-        """Router centering variables (cfg.router_center_ema > 0) in the order of `router_biases`."""
-        centers = [self.moe_layers.blocks.ffn.router.center] if self.moe_layers is not None else []
-        return centers + [m.block.ffn.router.center for m in self.mtp if m.block.is_moe]
-
-    def _update_router_centers(self, batch_means: list[jax.Array]) -> None:
-        """After this forward used them: each router's running mean moves toward this batch's token mean
-        (one per stack/MTP block: (L, D) or (D,)). The train step keeps the non-Param state its forward
-        left; an evaluation forward's update is dropped with its model."""
-        for center, batch_mean in zip(self.router_centers(), batch_means, strict=True):
-            center[...] = updated_center(center[...], batch_mean, self.cfg.router_center_ema)
 
     def router_bias_table(self) -> jax.Array:
         """(L_router, E) float32: every router's bias, one row per MoE layer (MTP blocks last)."""

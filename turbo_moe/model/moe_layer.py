@@ -19,8 +19,6 @@ class LayerStats(NamedTuple):
     expert_load: jax.Array  # (E,) float32
     dropped_fraction: jax.Array  # () float32
     balance_loss: jax.Array  # () float32, sequence-wise, without its weight
-    # This batch's token mean for the router's running mean (cfg.router_center_ema > 0), else None.
-    router_center: jax.Array | None = None
 
 
 class MoELayer(nnx.Module):
@@ -35,12 +33,11 @@ class MoELayer(nnx.Module):
         # Named scopes label the compiled ops for profiles (benchmarks/step_breakdown.py).
         with jax.named_scope("router"):
             routing = self.router(x)
-        path = moe_path_fn(self.cfg.moe_path, self.cfg.capacity_factor, self.cfg.expert_backward,
-                           self.cfg.swiglu_impl)
+        path = moe_path_fn(self.cfg.moe_path, self.cfg.capacity_factor)
         if expert_axis_size() > 1:  # traced under a mesh with an "expert" axis: routed experts split over it
             path = ep_moe_path(self.cfg.moe_path, capacity_factor=self.cfg.capacity_factor,
                                ep_exchange=self.cfg.ep_exchange, ep_capacity_factor=self.cfg.ep_capacity_factor,
-                               expert_backward=self.cfg.expert_backward, swiglu_impl=self.cfg.swiglu_impl)
+                               ep_layout=self.cfg.ep_layout)
         elif mesh_device_count() > 1:  # data parallel: each device runs its own tokens
             path = data_parallel_moe_path(path)
         with jax.named_scope("routed_experts"):
@@ -50,5 +47,4 @@ class MoELayer(nnx.Module):
                 y = y + self.shared(x)
         with jax.named_scope("router"):
             balance = sequence_balance_loss(routing.scores, routing.expert_ids, self.cfg.n_experts)
-            center = self.router.center_statistic(x, routing)
-        return y, LayerStats(stats.expert_load, stats.dropped_fraction, balance, center)
+        return y, LayerStats(stats.expert_load, stats.dropped_fraction, balance)

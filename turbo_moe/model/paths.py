@@ -74,7 +74,7 @@ def path_row(moe_path: str, ep_exchange: str = ONE_DEVICE) -> PathRow:
 
 
 def build_exchange(row: PathRow, **params) -> exchanges.Exchange:
-    """The row's exchange; params: seq_len, capacity_factor (one device) and axis_name, impl, capacity (EP)."""
+    """The row's exchange; params: seq_len, capacity_factor (one device) and axis_name, impl, capacity, layout (EP)."""
     local = LOCAL_EXCHANGES[row.exchange](**params)
     return local if row.ep_wrapper is None else EP_WRAPPERS[row.ep_wrapper](local, **params)
 
@@ -110,8 +110,9 @@ MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, Expert
 
 def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "block",
                 swiglu_impl: str = "auto") -> MoEPath:
-    """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`; `expert_backward`,
-    `swiglu_impl`: `ModelConfig`'s (paths with the permute exchange)."""
+    """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`. Paths with the permute
+    exchange run the expert block ("block") and the SwiGLU kernels where the device has them ("auto"); the model always
+    runs these defaults, and tests pass "autodiff" / "kernel" / "xla" as references."""
     row = path_row(moe_path)
 
     def run(x: jax.Array, routing: Routing, weights: ExpertWeights) -> tuple[jax.Array, ExpertStats]:

@@ -27,16 +27,6 @@ class RouterBias(nnx.Variable):
     """Per-expert selection bias. Not an nnx.Param: the optimizer skips it; `update_router_bias` sets it."""
 
 
-class RouterCenter(nnx.Variable):
-    """Running mean (EMA over training steps) of the router's input, per MoE layer (D,); exists only with
-    cfg.router_center_ema > 0. Not an nnx.Param: no gradient; the model's forward updates it after use."""
-
-
-# How the selection leaves the running mean c of the router input out (benchmarks/routing_probe.py
-# --center-space): "project" (default) removes each token's component along c; "input" subtracts c.
-CENTER_SPACE = "project"
-
-
 class Routing(NamedTuple):
     """Router output for tokens (..., D). All float32 except the ids."""
 
@@ -111,21 +101,6 @@ def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig, selection: jax.A
     return Routing(expert_ids=expert_ids, weights=weights, scores=scores)
 
 
-def centered_selection(x: jax.Array, logits: jax.Array, gate: jax.Array, center: jax.Array) -> jax.Array:
-    """Selection scores (..., E) with the running mean input `center` (D,) taken out (stop-gradient).
-    "project": sigmoid(x' W), x' = x minus its component along c (the shared direction leaves every
-    token, whatever its share of it); "input": sigmoid((x - c) W). W is the current gate."""
-    center = jax.lax.stop_gradient(center)
-    gate, logits = jax.lax.stop_gradient(gate), jax.lax.stop_gradient(logits)
-    if CENTER_SPACE == "input":
-        return jax.nn.sigmoid(logits - center @ gate)
-    if CENTER_SPACE == "project":
-        unit = center / (jnp.linalg.norm(center) + 1e-12)  # 0 (no change) while the running mean is 0
-        along = jnp.einsum("...d,d->...", jax.lax.stop_gradient(x).astype(jnp.float32), unit)
-        return jax.nn.sigmoid(logits - along[..., None] * (unit @ gate))
-    raise ValueError(f"router.CENTER_SPACE: expected 'project' or 'input', got {CENTER_SPACE!r}")
-
-
 def causal_centered_selection(logits: jax.Array) -> jax.Array:
     """Selection scores sigmoid(l_t - mean_{s<=t} l_s) (stop-gradient) from gate logits (B, S, E): each
     token's logits minus the running mean of its sequence up to and including itself. A vector added to
@@ -179,8 +154,15 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
     return jnp.concatenate(out, axis=1)
 
 
+def topk_kernel_here() -> bool:
+    """Who picks the experts: the router_topk kernel on GPUs (one FFI call, the sequence load penalty fused in),
+    jnp elsewhere (the kernel's speed-up was measured on GPUs only). Both make the same picks with the same combine
+    weights (tests/model/test_router_seq_load_penalty.py), so the choice is the device's, not the user's."""
+    return jax.default_backend() == "gpu"
+
+
 def kernel_expert_ids(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Expert ids (..., k) int32 from the router_topk kernel (cfg.router_topk_impl == "kernel"): the picks of
+    """Expert ids (..., k) int32 from the router_topk kernel (`topk_kernel_here`, or a test): the picks of
     `group_limited_topk` on `selection` (..., E), or with the sequence load penalty on
     `seq_load_penalized_selection(selection)` ((B, S, E) then), in one call."""
     from turbo_moe.model.expert_parallel import batch_sharded  # here: that module imports this one
@@ -208,8 +190,6 @@ class Router(nnx.Module):
         init = nnx.initializers.normal(cfg.router_std / cfg.router_lr_scale)
         self.kernel = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_experts), jnp.dtype(cfg.param_dtype)))
         self.bias = RouterBias(jnp.zeros((cfg.n_experts,), jnp.float32))
-        if cfg.router_center_ema > 0:
-            self.center = RouterCenter(jnp.zeros((cfg.d_model,), jnp.float32))
 
     def gate(self) -> jax.Array:
         """(D, E) float32 effective gate kernel."""
@@ -222,27 +202,14 @@ class Router(nnx.Module):
         gate = self.gate()
         logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), gate)
         scores = jax.nn.sigmoid(logits)
-        selection = None
-        if self.cfg.router_center_ema > 0:
-            # Past steps only (the running mean as it stood before this batch): causal-safe.
-            selection = centered_selection(x, logits, gate, self.center[...])
-        elif self.cfg.router_center_causal:
-            selection = causal_centered_selection(logits)
-        if self.cfg.router_topk_impl == "kernel":
+        selection = causal_centered_selection(logits) if self.cfg.router_center_causal else None
+        if topk_kernel_here():
             expert_ids = kernel_expert_ids(scores if selection is None else selection, self.bias[...], self.cfg)
             return route(scores, self.bias[...], self.cfg, expert_ids=expert_ids)
         if self.cfg.router_seq_load_penalty > 0:
             selection = seq_load_penalized_selection(scores if selection is None else selection, self.bias[...],
                                                      self.cfg)
         return route(scores, self.bias[...], self.cfg, selection)
-
-    def center_statistic(self, x: jax.Array, routing: Routing) -> jax.Array | None:
-        """This batch's contribution to the running mean (stop-gradient, float32): the token mean of
-        the router input (D,); None without centering. `routing` is unused (kept for the callers)."""
-        if self.cfg.router_center_ema <= 0:
-            return None
-        values = jax.lax.stop_gradient(x).astype(jnp.float32)
-        return values.reshape(-1, values.shape[-1]).mean(0)
 
 
 def sequence_balance_loss(scores: jax.Array, expert_ids: jax.Array, n_experts: int) -> jax.Array:
@@ -272,23 +239,8 @@ def updated_bias(bias: jax.Array, expert_load: jax.Array, rate, rule: str = "sig
     raise ValueError(f"rule: expected 'sign' or 'proportional', got {rule!r}")
 
 
-def updated_center(center: jax.Array, batch_mean: jax.Array, ema) -> jax.Array:
-    """Running mean after one training batch: center + ema * (batch_mean - center) (stop-gradient)."""
-    return center + ema * (jax.lax.stop_gradient(batch_mean).astype(jnp.float32) - center)
-
-
 def bias_rate_at(cfg: ModelConfig, step) -> jax.Array:
-    """Bias update rate for the update made after optimizer step `step` (0-based; may be traced).
-
-    With `cfg.router_bias_rate_start > 0` and `cfg.router_bias_rate_decay_steps > 0` the rate starts at
-    `router_bias_rate_start` and follows a half-cosine down to `router_bias_rate` at
-    `router_bias_rate_decay_steps`, constant after; otherwise it is `router_bias_rate` throughout
-    (DeepSeek-V3 / Megatron-Core / MaxText: one constant rate). The fast start lets the bias keep up
-    with the router weights while AdamW moves them fastest (experiments/NOTES.md, routing collapse).
-    """
-    base = jnp.float32(cfg.router_bias_rate)
-    start, steps = cfg.router_bias_rate_start, cfg.router_bias_rate_decay_steps
-    if start <= 0 or steps <= 0:
-        return base
-    frac = jnp.clip(jnp.asarray(step, jnp.float32) / steps, 0.0, 1.0)
-    return base + (jnp.float32(start) - base) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+    """Bias update rate for the update made after optimizer step `step`: `router_bias_rate` throughout
+    (DeepSeek-V3 / Megatron-Core / MaxText: one constant rate). `step` is kept for the callers."""
+    del step
+    return jnp.float32(cfg.router_bias_rate)

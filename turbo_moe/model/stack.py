@@ -114,8 +114,8 @@ class BlockStack(nnx.Module):
     def __call__(self, h: jax.Array, cos: jax.Array, sin: jax.Array):
         """h (B, S, D) -> (h, stats stacked over the layers (L, ...) or None for dense blocks)."""
         graphdef, state = nnx.split(self.blocks)
-        if self.cfg.cast_params_before_scan:
-            state = cast_stacked_weights(self.blocks, state, jnp.dtype(self.cfg.dtype))
+        # Cast once for all layers, not per layer inside the scan: less slicing traffic, the same values.
+        state = cast_stacked_weights(self.blocks, state, jnp.dtype(self.cfg.dtype))
         run = block_fn(self.cfg, graphdef)
 
         def body(carry, layer_state):
@@ -161,7 +161,7 @@ def stacked_cast_paths(model: nnx.Module, dtype) -> set[tuple]:
 
 def cast_stacked_weights(blocks: nnx.Module, state, dtype):
     """`state` with the cast-at-use weights cast to `dtype` for all layers at once, before the scan slices
-    them (`ModelConfig.cast_params_before_scan`): each layer then reads its slice in `dtype` instead of
+    them: each layer then reads its slice in `dtype` instead of
     the float32 one. Rounding commutes with slicing, so values and gradients are unchanged."""
     cast = cast_at_use_paths(blocks, dtype)
     flat = [(path, var.replace(var[...].astype(dtype)) if path in cast and isinstance(var, nnx.Param) else var)

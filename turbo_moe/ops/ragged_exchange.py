@@ -23,7 +23,6 @@ not import `turbo_moe.model` (which imports the ops); the model's expert-paralle
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import jax
@@ -36,12 +35,7 @@ UPDATES_IN_FLIGHT = 1024  # 128-thread copy blocks of the one-shot kernel per ex
 
 
 def chunks_per_peer(n_ranks: int) -> int:
-    """Updates per destination rank (env TURBO_MOE_RAGGED_CHUNKS overrides: 1 is the old behaviour)."""
-    forced = os.environ.get("TURBO_MOE_RAGGED_CHUNKS")
-    if forced:
-        if not forced.isdigit() or int(forced) < 1:
-            raise ValueError(f"TURBO_MOE_RAGGED_CHUNKS must be a positive integer, got {forced!r}")
-        return int(forced)
+    """Updates per destination rank: enough copy blocks in flight to fill the GPU whatever the rank count."""
     return max(1, UPDATES_IN_FLIGHT // n_ranks)
 
 

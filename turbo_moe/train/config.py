@@ -7,14 +7,22 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax
+
 from turbo_moe.model import ModelConfig, get_config
 
 _POSITIVE_INTS = ("per_device_batch", "steps", "log_every", "keep_checkpoints", "expert_parallel")
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "skip_steps_for_tgs", "seed")
-ADAM_MU_DTYPES = (None, "bfloat16", "float32")
+ADAM_MU_DTYPES = ("auto", None, "bfloat16", "float32")
 ADAM_NU_DTYPES = ADAM_MU_DTYPES  # the moments' storage dtypes: None is the parameters' dtype
-NU_ROUNDINGS = ("nearest", "stochastic")
-MASTER_WEIGHTS = ("float32", "split")  # turbo_moe/train/split_master.py
+NU_ROUNDINGS = ("auto", "nearest", "stochastic")
+MASTER_WEIGHTS = ("auto", "float32", "split")  # turbo_moe/train/split_master.py
+# TrainConfig fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a
+# removed field set to the kept behaviour (old records and specs) and refuses any other value with the reason.
+REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
+    "scan_outputs_uninitialized": (True, "scan outputs are left uninitialised on GPUs wherever this JAX allows it"),
+    "cast_params_in_update": (False, "master_weights='split' keeps the bf16 compute copy instead"),
+}
 # bfloat16 keeps 8 significant bits: for adam_b2 above 1 - 2**-8 the decay b2 * nu can round back to nu.
 BF16_NU_MAX_B2 = 1 - 2**-8
 
@@ -41,22 +49,14 @@ class TrainConfig:
     fsdp: bool = True
     # XLA's GPU GEMM autotuning at compile time (0-4; None: XLA's default, 4). 0 compiles faster but,
     # without a warm autotune cache, its default Triton tiles run the step several times slower
-    # (experiments/NOTES.md, issue 12): keep None unless compile time is all that matters.
+    # (docs/performance.md): keep None unless compile time is all that matters.
     xla_gpu_autotune_level: int | None = None
-    # Lower the train step with JAX's scan outputs left uninitialised (`lax.empty`) instead of zero-filled:
-    # every stacked output slice is written by the loop, so the fill is wasted (turbo_moe/train/scan_outputs.py).
-    # Replaces a private JAX function while lowering: off by default.
-    scan_outputs_uninitialized: bool = False
-    # The stacked layers' cast-at-use weights kept in the train state in the compute dtype, written by the optimizer
-    # update next to the float32 master weights (one fused pass), instead of cast from float32 at the start of every
-    # step (ModelConfig.cast_params_before_scan). Same values and gradients; +2 bytes a stacked weight in the state.
-    cast_params_in_update: bool = False
     # How the stacked layers' float32 master weights are kept (turbo_moe.train.split_master): "float32", or "split":
     # as their bf16 compute copy (what the forward reads; rounded half up, not to nearest-even, at exact ties) + the
-    # 16 low bits, exact together. The update reads and writes 4 bytes a weight where cast_params_in_update reads 4
-    # and writes 6; the state is 2 bytes a weight smaller. Needs the model's dtype bfloat16 and param_dtype float32,
-    # and replaces cast_params_in_update. Checkpoints hold the split form: resume with the same setting.
-    master_weights: str = "float32"
+    # 16 low bits, exact together: the update reads and writes 4 bytes a weight and the forward reads the bf16 copy.
+    # Needs the model's dtype bfloat16 and param_dtype float32. "auto": "split" on GPUs where it applies, else
+    # "float32". Checkpoints hold the layout they were written in: resume with the same (resolved) setting.
+    master_weights: str = "auto"
     seq_len: int | None = None
     steps: int = 50
     learning_rate: float = 3e-3
@@ -66,18 +66,16 @@ class TrainConfig:
     weight_decay: float = 0.1
     adam_b1: float = 0.9
     adam_b2: float = 0.95
-    # AdamW first-moment storage dtype (optax mu_dtype); None: the parameters' dtype (float32). "bfloat16"
-    # halves mu's bytes: the update is memory-bound (experiments/NOTES.md, issue 14).
-    adam_mu_dtype: str | None = None
-    # AdamW second-moment storage dtype (a wrapper around optax's adamw, turbo_moe.train.step.with_adam_nu_dtype);
-    # None: the parameters' dtype. "bfloat16" with a bf16 mu is DeepSeek-V3's recipe (both moments in BF16) and
-    # needs adam_b2 <= 1 - 2**-8 (BF16_NU_MAX_B2), else nu cannot decay.
-    adam_nu_dtype: str | None = None
-    # How a bf16 nu is stored: "nearest" (as DeepSeek-V3 describes; it cost +0.074 nats at 300 steps here, NOTES) or
-    # "stochastic" (unbiased: turbo_moe.train.low_precision_adam), which also lifts the adam_b2 limit.
-    adam_nu_rounding: str = "nearest"
+    # AdamW moments' storage dtypes (a quality/speed choice: the update is memory-bound). mu: optax's mu_dtype; nu: a
+    # wrapper around optax's adamw (turbo_moe.train.low_precision_adam). None: the parameters' dtype (float32).
+    # "bfloat16" for both is DeepSeek-V3's recipe. "auto": bfloat16 on GPUs, None on the CPU.
+    adam_mu_dtype: str | None = "auto"
+    adam_nu_dtype: str | None = "auto"
+    # How a bf16 nu is stored: "stochastic" (unbiased: turbo_moe.train.low_precision_adam; no adam_b2 limit) or
+    # "nearest" (as DeepSeek-V3 describes; it cost +0.074 nats at 300 steps here, docs/performance.md; needs adam_b2
+    # <= 1 - 2**-8, else nu cannot decay). "auto": "stochastic" for a bf16 nu.
+    adam_nu_rounding: str = "auto"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
-    remat_policy: str | None = None  # overrides the model's remat_policy when set
     eval_every: int = 25  # 0: only at the end
     eval_batches: int = 4  # 0: never evaluate (throughput runs skip compiling the eval step)
     log_every: int = 1
@@ -100,8 +98,6 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         """The resolved, validated ModelConfig (preset or given config, then overrides)."""
         overrides = dict(self.model_overrides)
-        if self.remat_policy is not None:
-            overrides["remat_policy"] = self.remat_policy
         if isinstance(self.model, ModelConfig):
             return self.model.replace(**overrides) if overrides else self.model
         return get_config(self.model, **overrides)
@@ -117,6 +113,23 @@ class TrainConfig:
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
 
+    def resolved(self, platform: str | None = None) -> "TrainConfig":
+        """This config with every "auto" replaced by what it means on `platform` (default: JAX's backend): what a
+        run executes and records."""
+        on_gpu = (platform or jax.default_backend()) == "gpu"
+        cfg = self.model_config()
+        changes: dict[str, Any] = {}
+        if self.master_weights == "auto":
+            split = on_gpu and cfg.dtype == "bfloat16" and cfg.param_dtype == "float32"
+            changes["master_weights"] = "split" if split else "float32"
+        for name in ("adam_mu_dtype", "adam_nu_dtype"):
+            if getattr(self, name) == "auto":
+                changes[name] = "bfloat16" if on_gpu else None
+        if self.adam_nu_rounding == "auto":
+            nu = changes.get("adam_nu_dtype", self.adam_nu_dtype)
+            changes["adam_nu_rounding"] = "stochastic" if nu == "bfloat16" else "nearest"
+        return self.replace(**changes) if changes else self
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["model_overrides"] = dict(self.model_overrides)
@@ -130,10 +143,18 @@ class TrainConfig:
         if not isinstance(values, Mapping):
             raise TypeError(f"TrainConfig.from_dict expects a mapping, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        kwargs = dict(values)
+        for name in sorted(set(kwargs) & set(REMOVED_FIELDS)):
+            kept, why = REMOVED_FIELDS[name]
+            if kwargs.pop(name) != kept:
+                raise ValueError(f"TrainConfig field {name!r} was removed ({why}): drop it from the config")
+        if "remat_policy" in kwargs:  # MaxText's top-level key: the model's field
+            policy = kwargs.pop("remat_policy")
+            if policy is not None:
+                kwargs["model_overrides"] = {**dict(kwargs.get("model_overrides") or {}), "remat_policy": policy}
+        unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
-        kwargs = dict(values)
         if isinstance(kwargs.get("model"), Mapping):
             kwargs["model"] = ModelConfig.from_dict(kwargs["model"])
         return cls(**kwargs)
@@ -159,14 +180,8 @@ def _validate(c: TrainConfig) -> None:
     for name in _NON_NEGATIVE_INTS:
         value = getattr(c, name)
         _require(_is_int(value) and value >= 0, name, f"must be a non-negative int, got {value!r}")
-    _require(isinstance(c.scan_outputs_uninitialized, bool), "scan_outputs_uninitialized",
-             f"must be a bool, got {c.scan_outputs_uninitialized!r}")
-    _require(isinstance(c.cast_params_in_update, bool), "cast_params_in_update",
-             f"must be a bool, got {c.cast_params_in_update!r}")
     _require(isinstance(c.master_weights, str) and c.master_weights in MASTER_WEIGHTS, "master_weights",
              f"got {c.master_weights!r}; expected one of {MASTER_WEIGHTS}")
-    _require(not (c.master_weights == "split" and c.cast_params_in_update), "master_weights",
-             "'split' already keeps the bf16 compute copy in the state: set cast_params_in_update=False")
     _require(c.xla_gpu_autotune_level is None or (_is_int(c.xla_gpu_autotune_level)
              and 0 <= c.xla_gpu_autotune_level <= 4), "xla_gpu_autotune_level",
              f"must be None or an int in 0..4, got {c.xla_gpu_autotune_level!r}")
@@ -190,9 +205,10 @@ def _validate(c: TrainConfig) -> None:
              "adam_nu_dtype", f"got {c.adam_nu_dtype!r}; expected one of {ADAM_NU_DTYPES}")
     _require(c.adam_nu_rounding in NU_ROUNDINGS, "adam_nu_rounding",
              f"got {c.adam_nu_rounding!r}; expected one of {NU_ROUNDINGS}")
-    _require(c.adam_nu_rounding == "nearest" or c.adam_nu_dtype == "bfloat16", "adam_nu_rounding",
+    _require(c.adam_nu_rounding != "stochastic" or c.adam_nu_dtype in ("bfloat16", "auto"), "adam_nu_rounding",
              f"{c.adam_nu_rounding!r} rounds a bfloat16 nu; adam_nu_dtype is {c.adam_nu_dtype!r}")
-    _require(c.adam_nu_dtype != "bfloat16" or c.adam_nu_rounding == "stochastic" or c.adam_b2 <= BF16_NU_MAX_B2,
+    _require(c.adam_nu_dtype not in ("bfloat16", "auto") or c.adam_nu_rounding != "nearest"
+             or c.adam_b2 <= BF16_NU_MAX_B2,
              "adam_nu_dtype",
              f"'bfloat16' needs adam_b2 <= 1 - 2**-8 (~{BF16_NU_MAX_B2:.4f}), got adam_b2={c.adam_b2!r}: bfloat16 "
              f"keeps 8 significant bits, so b2 * nu can round back to nu and the second moment stops shrinking "

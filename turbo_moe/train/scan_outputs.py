@@ -1,4 +1,4 @@
-"""Scan outputs without the zero fill (opt-in: `TrainConfig.scan_outputs_uninitialized`).
+"""Scan outputs without the zero fill (on GPUs, wherever this JAX's scan allows it: `build_program`).
 
 `jax.lax.scan` builds each stacked output (and, under autodiff, each stacked residual of the forward scan and
 each stacked parameter gradient of the backward one) as a zero-filled buffer that the loop then overwrites slice by
@@ -29,14 +29,18 @@ def _loops():
     return loops
 
 
+def supported() -> bool:
+    """Whether this JAX's scan builds its outputs the way `uninitialized_scan_outputs` replaces."""
+    original = getattr(_loops(), "_empty_array", None)
+    return original is not None and list(inspect.signature(original).parameters) == _EXPECTED_PARAMETERS
+
+
 def check_supported() -> None:
     """Raises if this JAX's scan does not build its outputs with `loops._empty_array(prefix, length_spec, aval)`."""
-    original = getattr(_loops(), "_empty_array", None)
-    if original is None or list(inspect.signature(original).parameters) != _EXPECTED_PARAMETERS:
+    if not supported():
         raise RuntimeError(
-            f"TrainConfig.scan_outputs_uninitialized: jax {jax.__version__} does not build scan outputs with "
-            f"jax._src.lax.control_flow.loops._empty_array{tuple(_EXPECTED_PARAMETERS)}, which this switch "
-            "replaces; set it to False")
+            f"uninitialized_scan_outputs: jax {jax.__version__} does not build scan outputs with "
+            f"jax._src.lax.control_flow.loops._empty_array{tuple(_EXPECTED_PARAMETERS)}, which it replaces")
 
 
 @contextlib.contextmanager

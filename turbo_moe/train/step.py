@@ -28,6 +28,7 @@ from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.init_program import InitProgram
 from turbo_moe.train.low_precision_adam import with_adam_nu_dtype
 from turbo_moe.train.split_master import joined_params, split_params
+from turbo_moe.train import scan_outputs
 from turbo_moe.train.scan_outputs import LoweredWithUninitializedScans
 
 # Mesh axes: ("data", "expert"). Tokens are split over every device; the training states are sharded
@@ -131,6 +132,7 @@ def _decay_mask(params):
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW (+ global-norm clipping). The same object for the same hyper-parameters, so that
     `build_program`'s cache (keyed on it) hits across runs."""
+    tc = tc.resolved()
     return _optimizer(tc.learning_rate, tc.warmup_steps, tc.schedule_steps, tc.min_lr_ratio, tc.weight_decay,
                       tc.adam_b1, tc.adam_b2, tc.grad_clip, tc.adam_mu_dtype, tc.adam_nu_dtype, tc.adam_nu_rounding)
 
@@ -283,9 +285,11 @@ def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module, split: bool
 @functools.lru_cache(maxsize=4)
 def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
                   fsdp: bool = True, gpu_autotune_level: int | None = None,
-                  scan_outputs_uninitialized: bool = False, cast_params_in_update: bool = False,
+                  scan_outputs_uninitialized: bool | None = None, cast_params_in_update: bool = False,
                   split_master: bool = False) -> Program:
-    """The jitted programs of one configuration; `split_master` is `TrainConfig.master_weights == "split"`."""
+    """The jitted programs of one configuration; `split_master` is `TrainConfig.master_weights == "split"`.
+    scan_outputs_uninitialized None: on GPU meshes wherever this JAX allows it (`scan_outputs.supported`), as runs do;
+    cast_params_in_update: a test reference for the split layout (runs never set it)."""
     if not isinstance(split_master, bool) or not isinstance(cast_params_in_update, bool):
         raise TypeError(f"build_program: cast_params_in_update and split_master must be bools, got "
                         f"{cast_params_in_update!r} and {split_master!r}")
@@ -311,6 +315,8 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
                     out_shardings=(state_sharding, replicated(mesh)), donate_argnums=0, compiler_options=options)
     evaluate = jax.jit(_in_mesh(make_eval_step(graphdef), mesh), in_shardings=(state_sharding, data_sharding),
                        out_shardings=replicated(mesh), compiler_options=options)
+    if scan_outputs_uninitialized is None:
+        scan_outputs_uninitialized = uninitialized_scans_here(mesh)
     if scan_outputs_uninitialized:
         train, evaluate = LoweredWithUninitializedScans(train), LoweredWithUninitializedScans(evaluate)
     refresh = None
@@ -320,10 +326,38 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     return Program(graphdef, init, train, evaluate, abstract_state, refresh)
 
 
+def uninitialized_scans_here(mesh: Mesh) -> bool:
+    """Scan outputs left uninitialised: on GPU meshes (elsewhere `lax.empty` is zeros anyway) where this JAX allows."""
+    return mesh.devices.flat[0].platform == "gpu" and scan_outputs.supported()
+
+
+def device_choices(model_cfg: ModelConfig, platform: str | None = None) -> dict[str, Any]:
+    """What the device-dependent defaults resolve to on `platform` (default: JAX's backend), for the run's record:
+    two runs that differ in one of these differ in this dict, not only in the device name."""
+    from turbo_moe.model.layers import _cudnn_unpadded
+    from turbo_moe.model.paths import path_row
+
+    platform = platform or jax.default_backend()
+    gpu = platform == "gpu"
+    attention = model_cfg.attention_impl
+    if attention == "auto":
+        if not (gpu and model_cfg.dtype in ("bfloat16", "float16")):
+            attention = "xla"
+        else:
+            attention = "cudnn_unpadded" if _cudnn_unpadded() is not None else "cudnn"
+    row = path_row(model_cfg.moe_path)
+    return {"platform": platform, "attention": attention,
+            "swiglu_kernels": gpu and row.gemm == "turbo" and row.exchange == "permute",
+            "router_topk_kernel": gpu,
+            "scan_outputs_uninitialized": gpu and scan_outputs.supported()}
+
+
 def program_for(tc: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Program:
-    """`build_program` with every program switch of `tc`: the one place a new switch is passed on."""
+    """`build_program` with every program switch of `tc` (resolved for the mesh's devices): the one place a new
+    switch is passed on."""
+    tc = tc.resolved(mesh.devices.flat[0].platform)
     return build_program(model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
-                         tc.scan_outputs_uninitialized, tc.cast_params_in_update, tc.master_weights == "split")
+                         None, False, tc.master_weights == "split")
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> dict:
