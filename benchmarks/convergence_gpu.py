@@ -53,7 +53,8 @@ SMOKE_SIZES = dict(  # a tiny `reduced`-like model: same routing proportions, CP
     max_seq_len=64, remat_policy="none", dtype="float32",
 )
 ROUTER_FIELDS = ("head_bias", "zero_init_out_proj", "router_bias_update", "router_lr_scale", "router_bias_rate",
-                 "router_bias_rate_start", "router_bias_rate_decay_steps", "router_init_std", "balance_loss_weight", "n_experts", "top_k", "n_groups", "topk_groups", "routed_scaling_factor",
+                 "router_init_std", "balance_loss_weight", "n_experts", "top_k", "n_groups", "topk_groups",
+                 "routed_scaling_factor",
                  "router_center_causal", "router_seq_load_penalty", "router_seq_load_chunk")
 NEW_PATH_FACTOR = 1.6
 

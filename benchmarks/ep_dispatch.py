@@ -89,7 +89,7 @@ def remote_rows(ids: np.ndarray, n_ranks: int, n_experts: int) -> tuple[int, int
 
 @contextlib.contextmanager
 def env(**values):
-    """Environment switches read at trace time (TURBO_MOE_DEEPEP_LAYOUT, TURBO_MOE_RAGGED_CHUNKS)."""
+    """Environment variables set while a case compiles (XLA/NCCL flags; none of turbo_moe's)."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update({key: str(v) for key, v in values.items()})
     try:
@@ -204,10 +204,6 @@ def exchange_rows(mesh, shape_name, reps, inner, impl):
         ("ag_rs_worst", chained(mesh, ag_rs, inner, 1), (x,), worst, worst, {}, inner),
         ("ragged_a2a", chained(mesh, ragged, inner, 2), (x, ids), ragged_real, 2 * pairs * t * k * row_bytes, {},
          inner),
-        ("ragged_a2a_64chunks", chained(mesh, ragged, inner, 2), (x, ids), ragged_real,
-         2 * pairs * t * k * row_bytes, {"TURBO_MOE_RAGGED_CHUNKS": 64}, inner),
-        ("ragged_a2a_1chunk", chained(mesh, ragged, 2, 2), (x, ids), ragged_real, 2 * pairs * t * k * row_bytes,
-         {"TURBO_MOE_RAGGED_CHUNKS": 1}, 2),
         ("a2a_ragged_real", chained(mesh, a2a_round_trip, inner, 1), (a2a_buffer(-(-ragged_rows // pairs)),),
          ragged_real, ragged_real, {}, inner),
     ]
@@ -264,17 +260,14 @@ def layer_rows(mesh, shape_name, reps, impl):
     routing = Routing(ids, jnp.asarray(rng.random((b, seq, k)) / k, jnp.float32), jnp.zeros((b, seq, e)))
     experts = ExpertWeights(device_normal(mesh, 0, (e, h, 2 * f)), device_normal(mesh, 1, (e, f, h)))
     rows = []
-    layout = lambda name: {"TURBO_MOE_DEEPEP_LAYOUT": name}  # noqa: E731
-    cases = [("dense_cf", "deepep", {}), ("ragged", "ragged_all_to_all", {}),
-             ("turbo", "deepep", layout("dense")), ("turbo", "deepep", layout("packed")),
-             ("turbo", "deepep", {**layout("dense"), "TURBO_MOE_DEEPEP_DENSE_VIA": "all_to_all"}),
-             ("turbo", "deepep", {**layout("dense"), "TURBO_MOE_DEEPEP_DENSE_VIA": "permute"}),
-             ("turbo", "deepep", layout("ragged")), ("turbo", "ragged_all_to_all", {}),
-             ("turbo", "ragged_all_to_all", {"TURBO_MOE_RAGGED_CHUNKS": 1})]
-    if shape_name == "dsv3":  # XLA's ragged_dot and the dense_cf one-hot einsums (and 1 chunk) are far too slow
-        cases = cases[2:-1]
-    for path, exchange, switches in cases:
-        ep = ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange, exchange_impl=impl)
+    cases = [("dense_cf", "deepep", "auto"), ("ragged", "ragged_all_to_all", "auto"),
+             ("turbo", "deepep", "auto"), ("turbo", "deepep", "dense"), ("turbo", "deepep", "packed"),
+             ("turbo", "deepep", "ragged"), ("turbo", "ragged_all_to_all", "auto")]
+    if shape_name == "dsv3":  # XLA's ragged_dot and the dense_cf one-hot einsums are far too slow
+        cases = cases[2:]
+    for path, exchange, layout in cases:
+        ep = ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange, exchange_impl=impl,
+                         ep_layout=layout)
 
         def step(x, w, experts, ep=ep):
             def loss(x, w, experts):
@@ -283,10 +276,9 @@ def layer_rows(mesh, shape_name, reps, impl):
             return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, experts)
 
         name = f"{path}/{exchange}" if path == "turbo" else path
-        name += "".join(f"[chunks={v}]" if "CHUNKS" in key else f"[{v}]" for key, v in switches.items())
+        name += f"[{layout}]" if exchange == "deepep" and path == "turbo" else ""
         try:
-            with env(**switches):  # read while tracing
-                compiled = jax.jit(step).lower(x, routing.weights, experts).compile()
+            compiled = jax.jit(step).lower(x, routing.weights, experts).compile()
             hlo = compiled.as_text()
             host = sum(hlo.count(m) for m in HOST_MARKERS)
             sec = timed(compiled, (x, routing.weights, experts), reps, 1)
@@ -295,7 +287,7 @@ def layer_rows(mesh, shape_name, reps, impl):
             continue
         rows.append(dict(kind="layer_fwd_bwd", shape=shape_name, method=name, tokens_per_rank=t, hidden=h, top_k=k,
                          experts=e, ep=n_ranks, time_ms=sec * 1e3, host_transfers=host,
-                         switches=" ".join(f"{k}={v}" for k, v in switches.items()),
+                         switches=f"ep_layout={layout}",
                          custom_calls=" ".join(sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))))))
         print(f"{shape_name:8s} layer {name:34s} {sec * 1e3:9.3f} ms  host transfers in HLO: {host}")
     return rows
@@ -315,8 +307,7 @@ def check_rows(mesh, impl):
                             jnp.asarray(rng.normal(size=(e, f, h)) / 6, jnp.float32))
     rows = []
     cases = [("dense_cf", "deepep", ""), ("ragged", "deepep", "")]
-    cases += [("turbo", "deepep", layout) for layout in ("dense", "dense/all_to_all", "dense/permute", "packed",
-                                                          "ragged")]
+    cases += [("turbo", "deepep", layout) for layout in ("dense", "packed", "ragged")]
     cases += [("turbo", "ragged_all_to_all", "")]
     for path, exchange, layout in cases:
         def loss_grads(fn):
@@ -326,10 +317,8 @@ def check_rows(mesh, impl):
         name = (f"{path}/{exchange}" if path == "turbo" else path) + (f"[{layout}]" if layout else "")
         try:
             ref = loss_grads(moe_path_fn(path, 1.25))
-            lay, _, via = (layout or "auto").partition("/")
-            with env(TURBO_MOE_DEEPEP_LAYOUT=lay, TURBO_MOE_DEEPEP_DENSE_VIA=via or "all_gather"):
-                got = loss_grads(ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange,
-                                             exchange_impl=impl))
+            got = loss_grads(ep_moe_path(path, mesh=mesh, capacity_factor=1.25, ep_exchange=exchange,
+                                         exchange_impl=impl, ep_layout=layout or "auto"))
         except Exception as err:  # record and go on to the timings
             print(f"check {name}: failed: {type(err).__name__}: {str(err)[:300]}")
             continue

@@ -4,7 +4,7 @@
     python benchmarks/memory_check.py --out DIR                       # the default cases
     python benchmarks/memory_check.py --out DIR --cases 'reduced:turbo:8:2048:{"remat_policy":"full"}'
     python benchmarks/memory_check.py --out DIR --cases \
-        'reduced:turbo:8:2048:{"loss_chunk_tokens":4096,"cast_params_before_scan":true,"adam_mu_dtype":"bfloat16"}'
+        'reduced:turbo:8:2048:{"loss_chunk_tokens":4096}'
 
 Each case lowers the train step on abstract inputs and compiles it (nothing is allocated, so cases larger
 than the device still report what they would need): measured = arguments + temporaries + outputs not

@@ -64,8 +64,7 @@ def main() -> None:
             phases[f"after_step_{step + 1}"] = device_bytes()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, default=str, indent=1))
-    print(json.dumps({"master_weights": tc.master_weights, "cast_params_in_update": tc.cast_params_in_update,
-                      "phases": phases,
+    print(json.dumps({"master_weights": tc.resolved().master_weights, "phases": phases,
                       "init_compiled_total": record["init_compiled_memory"].get("total_bytes"),
                       "train_compiled_total": record["train_compiled_memory"].get("total_bytes")}))
 

@@ -6,7 +6,7 @@
 #   epN      EP=N on every GPU: the same benchmark with the EP-vs-one-device checks (EPN_CHECKS=0 skips them).
 #   train:P  the training run of EP_TRAIN (a TrainConfig JSON file) at expert_parallel=P, a process per
 #            variant of EP_TRAIN_VARIANTS (default "auto packed"): a bare word is a deepep layout
-#            (TURBO_MOE_DEEPEP_LAYOUT), "label:K=V,K=V" sets those environment variables. Where N >= 2P the
+#            (ModelConfig.ep_layout), "label:K=V,K=V" sets those environment variables (XLA/NCCL flags). Where N >= 2P the
 #            variants run side by side on GPUs 0..P-1 and P..2P-1, round-robin, each once on each group;
 #            train:1 runs the first variant on every GPU at once (the one-GPU baseline of the same call).
 #   breakdown:P  benchmarks/step_breakdown.py collect of EP_TRAIN at expert_parallel=P on GPUs 0..P-1 (a
@@ -61,17 +61,19 @@ dispatch() {  # dispatch NAME GPUS ARGS...: benchmarks/ep_dispatch.py on those G
     --layer-shapes "${EP_LAYER_SHAPES-reduced}" --out "/tmp/mgc/$name/ep_dispatch.csv" "$@" >"/tmp/mgc/$name/log" 2>&1
   echo "$name rc=$? at ${SECONDS}s"; pack "$name"
 }
-variant_env() {  # variant_env WORD: "label:K=V,K=V" -> "K=V K=V"; a bare word is a deepep layout
+variant_env() {  # variant_env WORD: "label:K=V,K=V" -> "K=V K=V"; a bare word (a deepep layout) sets none
   case $1 in
     *:*) echo "${1#*:}" | tr ',' ' ' ;;
-    *) echo "TURBO_MOE_DEEPEP_LAYOUT=$1" ;;
+    *) echo "" ;;
   esac
 }
 train_one() {  # train_one P GPUS VARIANT: EP_TRAIN at expert_parallel=P on GPUS, its record kept as it ends
   local p=$1 gpus=$2 variant=$3 cfg
   : "${EP_TRAIN:?train phases need EP_TRAIN=<TrainConfig JSON file>}"
   mkdir -p "/tmp/mgc/train$p"
-  cfg=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['expert_parallel'] = $p; print(json.dumps(c))" "$EP_TRAIN")
+  cfg=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['expert_parallel'] = $p
+if ':' not in sys.argv[2]: c.setdefault('model_overrides', {})['ep_layout'] = sys.argv[2]
+print(json.dumps(c))" "$EP_TRAIN" "$variant")
   env $(variant_env "$variant") CUDA_VISIBLE_DEVICES=$gpus XLA_PYTHON_CLIENT_PREALLOCATE=true \
     timeout "$(left)" python3 benchmarks/train_once.py --out "/tmp/mgc/train$p/${variant%%:*}_gpus${gpus//,/}" "$cfg" 2>&1 \
     | grep -E '^\{"config"|Error' | cut -c1-600
