@@ -37,24 +37,62 @@ def _add_report_parser(sub: argparse._SubParsersAction) -> None:
                    help="draw the figures in this process instead of executing the notebook")
 
 
+def _add_train_parsers(sub: argparse._SubParsersAction) -> None:
+    sets = dict(action="append", default=[], metavar="KEY=VALUE",
+                help="replace one config value after the file is read: a field (steps=20) or a dotted path "
+                     "(model_overrides.moe_path=turbo); the value is read as YAML; repeatable")
+    p = sub.add_parser("train", help="run one training config (one process, or one of a jax.distributed job)")
+    p.add_argument("config", type=Path, help="TrainConfig YAML, e.g. experiments/configs/tiny.yaml")
+    p.add_argument("--set", dest="sets", **sets)
+    p.add_argument("--record", type=Path, help="where process 0 writes the run's record (JSON; default: "
+                   "<checkpoint_dir>/record.json, else runs/<config name>.json)")
+    p = sub.add_parser("launch", help="run one training config as one process per GPU (or per CPU device group) "
+                       "of this host")
+    p.add_argument("config", type=Path, help="TrainConfig YAML, e.g. experiments/configs/reduced.yaml")
+    p.add_argument("--set", dest="sets", **sets)
+    p.add_argument("--record", type=Path, help="as for train")
+    p.add_argument("--gpus", type=int, help="GPUs to use (the first N of CUDA_VISIBLE_DEVICES, else 0..N-1)")
+    p.add_argument("--cpu-devices", type=int, metavar="K", help="no GPU: each process gets K CPU host devices")
+    p.add_argument("--processes", type=int, help="processes to start (default: --gpus, one per GPU; with "
+                   "--cpu-devices: 2)")
+    p.add_argument("--log-dir", type=Path, help="folder for the other processes' output (default: a new temp folder)")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from turbo_moe.train.launch import train_from_file
+
+    return train_from_file(args.config, args.sets, record=args.record)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from turbo_moe.train.launch import launch_local
+
+    processes = args.processes or args.gpus or 2
+    return launch_local(args.config, args.sets, processes=processes, gpus=args.gpus, cpu_devices=args.cpu_devices,
+                        record=args.record, log_dir=args.log_dir)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from turbo_moe.experiments.runner import (
         SweepLayout, damaged_rows, default_experiments_dir, plan_sweep, run_sweep)
     from turbo_moe.experiments.spec import load_spec
 
-    spec = load_spec(args.spec)
+    spec = load_spec(args.spec)  # checks every point's values as the notebook would
     exp = args.experiments_dir or default_experiments_dir(spec)
     layout = SweepLayout(results_dir=exp / "results", runs_dir=exp / "runs", sweep=spec.name)
     if args.dry_run:
         planned = plan_sweep(spec, layout, force=args.force, only=args.only)
         print(f"sweep {spec.name}: notebook {spec.notebook}, kernel {args.kernel or spec.kernel}")
-        print(f"table {layout.table}")
+        trial = args.experiments_dir is None and exp.name == "trials"
+        print(f"table {layout.table}" + (" (a spec outside experiments/sweeps/: a trial, kept out of the "
+                                         "report; --experiments-dir chooses)" if trial else ""))
         for row in damaged_rows(layout):
             print(f"warning: {row}")
         print(f"base parameters: {spec.base}")
-        print(f"{len(planned)} points ({sum(p.action == 'run' for p in planned)} to run):")
+        print(f"{len(planned)} points ({sum(p.action == 'run' for p in planned)} to run; values checked):")
         for p in planned:
-            print(f"  [{p.action:4s}] {p.point.name}")
+            why = f"  ({p.reason})" if p.action == "run" and p.reason not in ("new", "params changed") else ""
+            print(f"  [{p.action:4s}] {p.point.name}{why}")
         return 0
     if args.budget_s is not None and not args.budget_s > 0:
         raise ValueError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
@@ -68,14 +106,34 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from turbo_moe.experiments import report
 
+    from turbo_moe.experiments.results import scan_results
+
+    if not args.experiments_dir.is_dir():
+        raise ValueError(f"--experiments-dir {str(args.experiments_dir)!r} is not a folder (resolved: "
+                         f"{args.experiments_dir.resolve()}); give the folder that holds results/")
     results_dir, figures_dir = args.experiments_dir / "results", args.experiments_dir / "figures"
+    try:
+        report.check_parameters(results_dir, figures_dir)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("parameter results_dir", "--experiments-dir: results folder")) from None
+    problems = scan_results(results_dir)  # the report leaves these out: say so here, where it is seen
+    for line in problems:
+        print(f"warning: {line}")
     if args.no_notebook:
         built = report.build_report(results_dir, figures_dir)
     else:
         out = args.experiments_dir / "runs" / "report" / "04_report.ipynb"
-        built = report.run_report_notebook(args.notebook, out, results_dir, figures_dir, kernel=args.kernel)
+        try:
+            built = report.run_report_notebook(args.notebook, out, results_dir, figures_dir, kernel=args.kernel)
+        except Exception as exc:  # a failed cell: its one-line error and where the full notebook is
+            if type(exc).__name__ != "PapermillExecutionError":
+                raise
+            raise ValueError(f"the report notebook failed: {exc.ename}: {' '.join(str(exc.evalue).split())[:500]} "
+                             f"(the executed notebook with the traceback: {out})") from None
     for line in built.lines():
         print(line)
+    if problems:
+        print(f"{len(problems)} problem(s) in {results_dir} were left out of the report (warnings above)")
     return 0
 
 
@@ -84,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sweep_parser(sub)
     _add_report_parser(sub)
+    _add_train_parsers(sub)
     args = parser.parse_args(argv)
     from turbo_moe.experiments.lock import SweepBusy
 
     try:
-        return {"sweep": cmd_sweep, "report": cmd_report}[args.command](args)
+        return {"sweep": cmd_sweep, "report": cmd_report, "train": cmd_train, "launch": cmd_launch}[args.command](args)
     # A bad spec or argument, a busy table, a full disk or unwritable folder: one clear line, no traceback.
     except (ValueError, SweepBusy, OSError) as exc:
         print(f"turbo-moe {args.command}: error: {exc}", file=sys.stderr)

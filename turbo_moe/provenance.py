@@ -30,7 +30,7 @@ DEVICE_FIELDS = ("device_kind", "device_count", "local_device_count", "process_c
                  "grouped_gemm")
 PACKAGES = ("jax", "jaxlib", "flax", "optax")
 FIELDS = (*DEVICE_FIELDS, "cpu", *(f"{p}_version" for p in PACKAGES), "python_version", "git_commit",
-          "git_dirty", "hostname", "date", "xla_flags")
+          "git_dirty", "hostname", "date", "xla_flags", "load_per_core")
 # The columns every results table carries (sweeps, benchmarks).
 TABLE_COLUMNS = ("device_kind", "device_count", "platform", "jax_version", "git_commit", "date")
 # Spellings of earlier tables (benchmarks/grouped_gemm.py wrote device/jax/commit before the schema).
@@ -51,6 +51,8 @@ def collect(*, devices: bool = True) -> dict[str, Any]:
     out["hostname"] = socket.gethostname()
     out["date"] = now()
     out["xla_flags"] = os.environ.get("XLA_FLAGS")
+    # Other work on the machine skews CPU timings: the report flags runs measured under load.
+    out["load_per_core"] = round(os.getloadavg()[0] / (os.cpu_count() or 1), 2) if hasattr(os, "getloadavg") else None
     return out
 
 

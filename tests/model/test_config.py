@@ -1,8 +1,11 @@
-"""ModelConfig: presets, dict/YAML round trips, MaxText aliases, and errors that name the field."""
+"""ModelConfig: presets, dict/YAML round trips, MaxText aliases, removed fields, and errors that name the field."""
+
+import re
 
 import pytest
 
 from turbo_moe.model import PRESET_NAMES, ModelConfig, get_config
+from turbo_moe.model.config import EP_LAYOUTS, REMOVED_FIELDS
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
@@ -52,6 +55,7 @@ def test_from_yaml_text_and_file(tmp_path):
         (dict(remat_policy="everything"), "remat_policy"),
         (dict(capacity_factor=float("nan")), "capacity_factor"),
         (dict(router_bias_rate=-1.0), "router_bias_rate"),
+        (dict(ep_layout="sparse"), "ep_layout"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -68,3 +72,53 @@ def test_unknown_field_and_wrong_type():
         get_config("tiny", top_k=2.5)
     with pytest.raises(ValueError, match="preset"):
         get_config("deepseek_v4")
+
+
+def test_defaults_are_the_decided_ones():
+    """The fast path by default: turbo, deepep's own layout choice; the GPU presets chunk the loss in bf16 logits."""
+    cfg = ModelConfig()
+    assert (cfg.moe_path, cfg.ep_layout, cfg.attention_impl) == ("turbo", "auto", "auto")
+    reduced, full = get_config("reduced"), get_config("deepseek_v3_671b")
+    assert (reduced.remat_policy, reduced.loss_chunk_tokens, reduced.logits_dtype) == (
+        "dots_experts_attention", 4096, "bfloat16")
+    assert (full.loss_chunk_tokens, full.logits_dtype) == (4096, "bfloat16")
+    assert set(EP_LAYOUTS) == {"auto", "dense", "packed", "ragged"}
+    for layout in EP_LAYOUTS:
+        assert get_config("tiny", ep_layout=layout).ep_layout == layout
+
+
+# A value each removed field had as an alternative to the one kept.
+OTHER_VALUES = {"cast_params_before_scan": False, "router_topk_impl": "cuda", "embedding_grad": "matmul",
+                "expert_backward": "autodiff", "swiglu_impl": "cutlass", "router_center_ema": 0.3,
+                "router_bias_rate_start": 1e-2, "router_bias_rate_decay_steps": 100}
+
+
+def test_every_removed_field_is_covered():
+    assert set(OTHER_VALUES) == set(REMOVED_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(REMOVED_FIELDS))
+def test_removed_field_accepted_at_its_kept_value_only(name):
+    """Old records and specs name fields that measured A/Bs removed: at the kept behaviour they load (and change
+    nothing), any other value is refused with the reason, naming the field."""
+    kept, why = REMOVED_FIELDS[name]
+    base = get_config("tiny")
+    assert name not in base.to_dict()
+    assert ModelConfig.from_dict({**base.to_dict(), name: kept}) == base
+    assert get_config("tiny", **{name: kept}) == base == base.replace(**{name: kept})
+    with pytest.raises(ValueError, match=re.escape(f"ModelConfig field {name!r} was removed ({why}); got "
+                                                   f"{OTHER_VALUES[name]!r}")):
+        ModelConfig.from_dict({**base.to_dict(), name: OTHER_VALUES[name]})
+
+
+def test_removed_fields_old_spellings():
+    """The old explicit values that name what now runs on some device load too; a number where a bool was kept,
+    does not."""
+    base = get_config("tiny")
+    for name in ("swiglu_impl", "router_topk_impl"):
+        for value in ("xla", "kernel"):
+            assert get_config("tiny", **{name: value}) == base
+    with pytest.raises(ValueError, match="ModelConfig field 'cast_params_before_scan' was removed.*got 1"):
+        get_config("tiny", cast_params_before_scan=1)
+    with pytest.raises(TypeError):  # the constructor has no such field
+        ModelConfig(expert_backward="block")

@@ -1,8 +1,9 @@
-"""ModelConfig.expert_backward = "block" (`turbo_moe.model.expert_block`): one custom VJP over permute -> experts ->
-unpermute. Its outputs and gradients equal the float32 reference and the ops' own VJPs (dropped copies, experts with
-no rows, token counts that are not multiples of 8, skewed routing), with the gate/up GEMM and SwiGLU as one call
-(`swiglu_impl="kernel"`) or two, and it keeps neither the permuted rows nor the down GEMM's output for the backward
-pass, without running any grouped GEMM twice."""
+"""The expert block (`turbo_moe.model.expert_block`), what the model runs on the paths with the permute exchange: one
+custom VJP over permute -> experts -> unpermute. Its outputs and gradients equal the float32 reference and the ops' own
+VJPs (`moe_path_fn(..., expert_backward="autodiff")`; dropped copies, experts with no rows, token counts that are not
+multiples of 8, skewed routing), with the gate/up GEMM and SwiGLU as one call (`swiglu_impl="kernel"`, the GPU's
+"auto") or two, and it keeps neither the permuted rows nor the down GEMM's output for the backward pass, without
+running any grouped GEMM twice."""
 
 import re
 
@@ -94,12 +95,29 @@ def _step(cfg):
     return compiled(state), compiled
 
 
-@pytest.mark.parametrize("swiglu_impl", ["kernel", "xla"])
-def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes(swiglu_impl):
+def _model_paths_with(monkeypatch, **variant):
+    """The model's MoE layers with the one-device path built with `variant` (the reference arguments of
+    `moe_path_fn`) instead of the defaults the model always runs."""
+    from turbo_moe.model import moe_layer
+
+    monkeypatch.setattr(moe_layer, "moe_path_fn",
+                        lambda path, capacity_factor: moe_path_fn(path, capacity_factor, **variant))
+
+
+@pytest.mark.parametrize("swiglu_impl", ["kernel", "model"])
+def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes(swiglu_impl, monkeypatch):
+    """The model as it runs (the block, "auto" SwiGLU) and the block with the SwiGLU kernels, against the ops' own
+    VJPs in the same model."""
     # 4 scanned MoE layers (+ the MTP block): their saved values, stacked over the layers, set the peak
-    base = dict(n_layers=5, max_seq_len=16, moe_path="turbo", remat_policy="dots_experts_attention", dtype="float32")
-    (ref_loss, ref_grads), ref_compiled = _step(get_config("tiny", **base, expert_backward="autodiff"))
-    (loss, grads), compiled = _step(get_config("tiny", **base, expert_backward="block", swiglu_impl=swiglu_impl))
+    cfg = get_config("tiny", n_layers=5, max_seq_len=16, moe_path="turbo", remat_policy="dots_experts_attention",
+                     dtype="float32")
+    with monkeypatch.context() as patch:
+        _model_paths_with(patch, expert_backward="autodiff")
+        (ref_loss, ref_grads), ref_compiled = _step(cfg)
+    with monkeypatch.context() as patch:
+        if swiglu_impl == "kernel":
+            _model_paths_with(patch, swiglu_impl="kernel")
+        (loss, grads), compiled = _step(cfg)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
@@ -107,8 +125,10 @@ def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes(swigl
     gemm_calls = lambda c: calls(c, "turbo_moe_grouped_gemm") + calls(c, "turbo_moe_grouped_gemm_swiglu")
     # the scanned MoE block and the MTP block, each 2 forward + 2 data-gradient GEMMs in the program text
     assert gemm_calls(compiled) == gemm_calls(ref_compiled) == 8
-    # with the kernel, each block's gate/up GEMM is the fused call (the autodiff path never uses it)
-    assert calls(compiled, "turbo_moe_grouped_gemm_swiglu") == (2 if swiglu_impl == "kernel" else 0)
+    # with the kernel (on the CPU "auto" is XLA's SwiGLU), each block's gate/up GEMM is the fused call (the autodiff
+    # path never uses it)
+    fused = swiglu_impl == "kernel" or jax.default_backend() == "gpu"
+    assert calls(compiled, "turbo_moe_grouped_gemm_swiglu") == (2 if fused else 0)
     assert calls(ref_compiled, "turbo_moe_grouped_gemm_swiglu") == 0
     # the autodiff step keeps the permuted rows, the down output and act of every MoE layer; the block none of them
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
@@ -118,7 +138,6 @@ def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes(swigl
 def test_auto_takes_the_kernels_on_gpus_only(monkeypatch):
     from turbo_moe.model import gemms
 
-    assert get_config("tiny").swiglu_impl == "auto"
     assert gemms.swiglu_kernels("turbo", "kernel") is SWIGLU_KERNELS["turbo"]
     assert gemms.swiglu_kernels("turbo", "xla") is None and gemms.swiglu_kernels("ragged_dot", "kernel") is None
     assert gemms.swiglu_kernels("turbo", "auto") is (SWIGLU_KERNELS["turbo"] if jax.default_backend() == "gpu" else None)
@@ -128,11 +147,7 @@ def test_auto_takes_the_kernels_on_gpus_only(monkeypatch):
     assert gemms.swiglu_kernels("turbo", "auto") is None
 
 
-def test_bad_expert_backward_and_shapes():
-    with pytest.raises(ValueError, match="expert_backward.*'fused'.*expected one of"):
-        get_config("tiny", expert_backward="fused")
-    with pytest.raises(ValueError, match="swiglu_impl.*'cutlass'.*expected one of"):
-        get_config("tiny", swiglu_impl="cutlass")
+def test_bad_shapes():
     from turbo_moe.model.expert_block import expert_block
 
     weights = ExpertWeights(jnp.zeros((4, 8, 6)), jnp.zeros((4, 3, 8)))

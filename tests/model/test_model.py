@@ -1,4 +1,6 @@
-"""DeepSeekModel end to end on micro configs: shapes, causality, path equivalence, remat, training."""
+"""DeepSeekModel end to end on micro configs: shapes, causality, path equivalence, remat, training; the stacked
+weights cast before the layer scan; the output-head bias (`head_bias`); zero-initialised out projections
+(`zero_init_out_proj`)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +9,12 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import ALL_PATHS, micro_config
-from turbo_moe.model import DeepSeekModel, RouterBias, lm_loss, update_router_bias
+from conftest import ALL_PATHS, micro_config, requires_turbo
+from turbo_moe.data import PackedSequences, SyntheticSequences, unigram_log_prior
+from turbo_moe.model import DeepSeekModel, RouterBias, get_config, lm_loss, update_router_bias
+from turbo_moe.model.chunked_loss import chunked_cross_entropy
+from turbo_moe.model import stack
+from turbo_moe.model.model import cross_entropy
 
 
 def make_batch(cfg, batch=2, seq=16, seed=0):
@@ -21,7 +27,7 @@ def loss_and_grads(model, batch):
 
 
 def test_forward_shapes_load_and_causality():
-    cfg = micro_config(dtype="float32")
+    cfg = micro_config(dtype="float32", moe_path="ragged")
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     inputs = make_batch(cfg)["inputs"]
     forward = nnx.jit(lambda m, x: m(x))
@@ -108,3 +114,251 @@ def test_bad_inputs_raise_clear_errors():
         update_router_bias(model, jnp.zeros((3, cfg.n_experts)))
     with pytest.raises(ValueError, match="targets"):
         lm_loss(model, {"inputs": jnp.zeros((1, 4), jnp.int32)})
+
+
+# ------------------------------------------------------------------ the stacked weights cast before the layer scan
+# The stacked matmul weights are cast to the compute dtype once before the layer scan. Rounding to bfloat16 commutes
+# with slicing a layer out, and the cast's gradient (a cast back) commutes with stacking the per-layer gradients, so
+# loss and gradients are bit-identical to casting each layer's slice inside the scan.
+
+def _config(**overrides):
+    # bfloat16 compute, float32 params (tiny's defaults); 2 MoE blocks in the scanned stack + an MoE MTP block
+    return get_config("tiny", n_layers=3, max_seq_len=16, capacity_factor=1.0, **overrides)
+
+
+def _loss_and_grads(cfg):
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    (loss, metrics), grads = nnx.jit(nnx.value_and_grad(lm_loss, has_aux=True))(model, batch)
+    return loss, metrics, nnx.to_flat_state(grads)
+
+
+def _case(path, scan_layers, remat="none"):
+    marks = requires_turbo if path == "turbo" else ()
+    name = f"{path}-{'scan' if scan_layers else 'unrolled'}-{remat}"
+    return pytest.param(path, scan_layers, remat, marks=marks, id=name)
+
+
+# Each path once scanned, the unrolled stack once (the cast is the same code for both paths' experts), and
+# turbo scanned under `reduced`'s remat policy (the cast sits outside the rematerialised block); CI time.
+@pytest.mark.parametrize("path, scan_layers, remat", [
+    _case("dense_cf", True), _case("turbo", False),
+    _case("turbo", True, "dots_no_batch"),
+])
+def test_loss_and_grads_bit_identical(path, scan_layers, remat, monkeypatch):
+    cfg = _config(moe_path=path, scan_layers=scan_layers, remat_policy=remat)
+    cast_loss, cast_metrics, cast_grads = _loss_and_grads(cfg)  # the model as it runs
+    monkeypatch.setattr(stack, "cast_stacked_weights", lambda blocks, state, dtype: state)  # each slice cast in the scan
+    loss, metrics, grads = _loss_and_grads(cfg)
+    np.testing.assert_array_equal(cast_loss, loss)
+    np.testing.assert_array_equal(cast_metrics["expert_load"], metrics["expert_load"])
+    assert len(grads) == len(cast_grads)
+    for (name, g), (cast_name, c) in zip(grads, cast_grads):
+        assert name == cast_name and c[...].dtype == g[...].dtype == jnp.float32
+        np.testing.assert_array_equal(c[...], g[...], err_msg=f"{path}: {name}")
+
+
+def test_only_the_weights_cast_at_use_are_cast():
+    cfg = _config(moe_path="dense_cf")
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    moe_stack = model.moe_layers
+    _, state = nnx.split(moe_stack.blocks)
+    cast = {path: var[...]
+            for path, var in nnx.to_flat_state(stack.cast_stacked_weights(moe_stack.blocks, state, jnp.bfloat16))}
+    bf16 = {path for path, value in cast.items() if value.dtype == jnp.bfloat16}
+    assert bf16 == {
+        ("attn", name, "kernel") for name in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")} | {
+        ("ffn", "shared", name, "kernel") for name in ("wi_gate", "wi_up", "wo")} | {
+        ("ffn", "experts", "w_gate_up"), ("ffn", "experts", "w_down")}
+    # norm scales, the float32 router gate and its bias stay float32, each with its stacked shape
+    for path in (("attn_norm", "scale"), ("attn", "kv_norm", "scale"), ("ffn", "router", "kernel"),
+                 ("ffn", "router", "bias")):
+        assert cast[path].dtype == jnp.float32
+    original = dict(nnx.to_flat_state(state))
+    for path, value in cast.items():
+        assert value.shape == original[path][...].shape
+        np.testing.assert_array_equal(value, original[path][...].astype(value.dtype))
+    assert original[("attn", "wo", "kernel")][...].dtype == jnp.float32  # the model's own state is untouched
+
+
+def test_the_scans_read_bfloat16_weights():
+    def scan_weight_dtypes(cfg):  # dtypes of the (L, ...) matrices each layer scan slices
+        graphdef, state = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)))
+        jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(jnp.zeros((1, 8), jnp.int32)).logits)(state)
+        scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        return [sorted(str(v.aval.dtype) for v in e.invars if v.aval.ndim >= 3 and v.aval.shape[0] == 3)
+                for e in scans]
+
+    cfg = _config(moe_path="dense_cf", n_dense_layers=0, mtp_depth=0)  # one stack of 3 MoE blocks
+    # (3, ...) weights: 5 attention, 3 shared expert, 2 routed experts (bfloat16), the router gate (float32);
+    # h (1, 8, 64) is not one
+    assert scan_weight_dtypes(cfg) == [["bfloat16"] * 10 + ["float32"]]
+
+
+# ------------------------------------------------------------------ head_bias: a float32 (V,) bias on the main and
+# MTP logits, its gradient (plain and chunked cross-entropy), the data's log unigram prior (training sets it at init:
+# tests/train/test_program.py)
+
+def _model(**overrides):
+    cfg = get_config("tiny", n_layers=2, max_seq_len=16, moe_path="ragged", dtype="float32", **overrides)
+    return DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+
+
+def _batch(vocab, b=2, s=16):
+    tokens = jax.random.randint(jax.random.key(1), (b, s + 1), 0, vocab)
+    mask = (jax.random.uniform(jax.random.key(2), (b, s)) > 0.2).astype(jnp.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+def _random_bias(vocab):
+    return jax.random.normal(jax.random.key(3), (vocab,), jnp.float32) * 2.0
+
+
+def test_head_bias_config_choices():
+    assert all(get_config(name).head_bias == "none" for name in ("tiny", "small", "deepseek_v3_671b"))
+    assert get_config("reduced").head_bias == "unigram"  # the issue-13 routing recipe
+    with pytest.raises(ValueError, match=r"ModelConfig.head_bias: got 'yes'; expected one of \('none', 'zero', 'unigram'\)"):
+        get_config("tiny", head_bias="yes")
+
+
+def test_bias_adds_to_main_and_mtp_logits_and_changes_nothing_else():
+    plain, biased = _model(), _model(head_bias="zero")
+    assert plain.head_bias is None and "head_bias" not in nnx.state(plain, nnx.Param)
+    # the bias draws no random numbers: every other parameter is the plain model's
+    flat = dict(nnx.to_flat_state(nnx.state(biased, nnx.Param)))
+    for name, leaf in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
+        np.testing.assert_array_equal(flat[name][...], leaf[...], err_msg=str(name))
+    bias = _random_bias(plain.cfg.vocab_size)
+    biased.head_bias[...] = bias
+    inputs = _batch(plain.cfg.vocab_size)["inputs"]
+    out, out_b = plain(inputs), biased(inputs)
+    np.testing.assert_allclose(out_b.logits, out.logits + bias, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out_b.mtp_logits[0], out.mtp_logits[0] + bias, rtol=1e-6, atol=1e-6)
+
+
+def test_bias_gradient_is_the_mean_softmax_minus_onehot():
+    model = _model(head_bias="zero", mtp_depth=0, balance_loss_weight=0.0)
+    model.head_bias[...] = _random_bias(model.cfg.vocab_size)
+    batch = _batch(model.cfg.vocab_size)
+    grads = nnx.grad(lambda m: lm_loss(m, batch)[0])(model)
+    probs = jax.nn.softmax(model(batch["inputs"]).logits, axis=-1)
+    onehot = jax.nn.one_hot(batch["targets"], model.cfg.vocab_size)
+    mask = batch["mask"][..., None]
+    expected = jnp.sum((probs - onehot) * mask, axis=(0, 1)) / jnp.sum(mask)
+    np.testing.assert_allclose(grads.head_bias[...], expected, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("vocab_major", [False, True])
+@pytest.mark.parametrize("chunk", [1, 6, 1000])
+def test_chunked_loss_with_bias_matches_unchunked(vocab_major, chunk):
+    keys = jax.random.split(jax.random.key(0), 4)
+    b, s, d, v = 2, 7, 16, 50
+    hidden = jax.random.normal(keys[0], (b, s, d))
+    weight = jax.random.normal(keys[1], (v, d) if vocab_major else (d, v)) * 0.3
+    targets = jax.random.randint(keys[2], (b, s), 0, v)
+    mask = (jax.random.uniform(keys[3], (b, s)) > 0.25).astype(jnp.float32)
+    bias = _random_bias(v)
+    eq = "bsd,vd->bsv" if vocab_major else "bsd,dv->bsv"
+    reference = lambda h, w, c: cross_entropy(jnp.einsum(eq, h, w) + c, targets, mask)
+    chunked = lambda h, w, c: 0.7 * chunked_cross_entropy(h, w, targets, mask, chunk, vocab_major, bias=c)
+    ref, ref_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(hidden, weight, bias)
+    loss, grads = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1, 2)))(hidden, weight, bias)
+    np.testing.assert_allclose(loss, 0.7 * ref, rtol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, 0.7 * r, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"bias must be float32 \(50,\)"):
+        chunked_cross_entropy(hidden, weight, targets, mask, chunk, vocab_major, bias=bias[:-1])
+    with pytest.raises(ValueError, match=r"bias must be float32 \(50,\)"):
+        chunked_cross_entropy(hidden, weight, targets, mask, chunk, vocab_major, bias=bias.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_chunked_loss_with_bias_matches_unchunked(tie):
+    model = _model(head_bias="zero", tie_embeddings=tie)
+    model.head_bias[...] = _random_bias(model.cfg.vocab_size)
+    batch = _batch(model.cfg.vocab_size)
+    graphdef, params, extra = nnx.split(model, nnx.Param, ...)
+    chunked_def = nnx.split(_model(head_bias="zero", tie_embeddings=tie, loss_chunk_tokens=10), nnx.Param, ...)[0]
+
+    def loss_and_grads(gdef):
+        fn = lambda p: lm_loss(nnx.merge(gdef, p, extra), batch)[0]
+        return jax.jit(jax.value_and_grad(fn))(params)
+
+    loss, grads = loss_and_grads(graphdef)
+    c_loss, c_grads = loss_and_grads(chunked_def)
+    np.testing.assert_allclose(c_loss, loss, rtol=1e-6)
+    for (name, g), (_, c) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(c_grads)):
+        scale = float(jnp.max(jnp.abs(g[...])))
+        np.testing.assert_allclose(c[...], g[...], rtol=2e-5, atol=2e-5 * scale, err_msg=str(name))
+    assert float(jnp.max(jnp.abs(c_grads["head_bias"][...]))) > 0
+
+
+def test_unigram_log_prior():
+    windows = np.array([[0, 1, 1, 3], [2, 1, 3, 3]], np.uint16)  # targets: 1 1 3 / 1 3 3 (the first is an input)
+    prior = unigram_log_prior(PackedSequences(windows, seq_len=3), vocab_size=5)
+    counts = np.array([0, 3, 0, 3, 0]) + 1.0
+    np.testing.assert_allclose(prior, np.log(counts / counts.sum()), rtol=1e-6)
+    assert prior.dtype == np.float32
+    np.testing.assert_array_equal(unigram_log_prior(SyntheticSequences(5, 3), 5), np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="vocab_size=3 but the data holds token id 3"):
+        unigram_log_prior(PackedSequences(windows, seq_len=3), vocab_size=3)
+    with pytest.raises(TypeError, match="source must be PackedSequences"):
+        unigram_log_prior(windows, vocab_size=5)
+
+
+# ------------------------------------------------------------------ zero_init_out_proj: the projections back into
+# the residual stream start at zero, so every block starts as the identity; nothing else changes and training moves
+# them off zero
+
+OUT_PROJECTIONS = ("wo", "w_down")
+
+
+def _flat_params(model):
+    return {tuple(str(p) for p in path): leaf[...] for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _is_out(path):
+    return any(name in path for name in OUT_PROJECTIONS)
+
+
+@pytest.mark.parametrize("moe_path", ["ragged", "dense_cf"])
+def test_zero_init_blocks_start_as_identity_and_nothing_else_changes(moe_path):
+    cfg = get_config("tiny", moe_path=moe_path, dtype="float32")
+    plain = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    zero = DeepSeekModel(cfg.replace(zero_init_out_proj=True), rngs=nnx.Rngs(0))
+    plain_params, zero_params = _flat_params(plain), _flat_params(zero)
+    assert plain_params.keys() == zero_params.keys()
+    outs = [path for path in zero_params if _is_out(path)]
+    # attention + SwiGLU wo in the dense and MoE stacks and the MTP block, the experts' w_down
+    assert len(outs) >= 5 and any("w_down" in p for p in outs) and any("mtp" in p for p in outs)
+    for path, value in zero_params.items():
+        if _is_out(path):
+            np.testing.assert_array_equal(value, 0.0, err_msg=str(path))
+            assert float(jnp.max(jnp.abs(plain_params[path]))) > 0
+        else:
+            np.testing.assert_array_equal(value, plain_params[path], err_msg=str(path))
+    inputs = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    expected = zero.logits(zero.final_norm(zero.embed(inputs)))  # every block the identity
+    np.testing.assert_allclose(zero(inputs).logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_training_moves_the_zero_projections():
+    cfg = get_config("tiny", moe_path="ragged", dtype="float32", zero_init_out_proj=True)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    for _ in range(2):  # step 1 moves the last wo (its input is non-zero); step 2 the ones behind it
+        grads = nnx.grad(lambda m: lm_loss(m, batch)[0])(model)
+        optimizer.update(model, grads)
+    for path, value in _flat_params(model).items():
+        if _is_out(path) and "mtp" not in path:
+            assert float(jnp.max(jnp.abs(value))) > 0, path
+
+
+def test_zero_init_out_proj_validation_and_presets():
+    with pytest.raises(TypeError, match="ModelConfig.zero_init_out_proj expects bool, got 1"):
+        get_config("tiny", zero_init_out_proj=1)
+    assert all(not get_config(name).zero_init_out_proj for name in ("tiny", "small", "deepseek_v3_671b"))
+    assert get_config("reduced").zero_init_out_proj  # the issue-13 routing recipe

@@ -1,4 +1,6 @@
-"""Group-limited sigmoid router vs a direct numpy implementation; balance loss; bias update."""
+"""Group-limited sigmoid router vs a direct numpy implementation; balance loss; bias update; the router recipe's
+fields; causal sequence centering of the selection (`router_center_causal`); who picks the experts."""
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from turbo_moe.model import get_config
-from turbo_moe.model.router import Router, bias_rate_at, route, sequence_balance_loss, updated_bias
+from tests.model.conftest import requires_turbo
+from turbo_moe.model import DeepSeekModel, get_config, lm_loss
+from turbo_moe.model import router as router_module
+from turbo_moe.model.router import (Router, bias_rate_at, causal_centered_selection, route, sequence_balance_loss,
+                                    updated_bias)
 
 
 def numpy_route(scores, bias, top_k, n_groups, topk_groups, scale):
@@ -86,17 +91,14 @@ def test_bias_update_reduces_imbalance_on_skewed_router():
     assert end < 1.5, (start, end)
 
 
-def test_bias_rate_is_constant_by_default_and_follows_the_schedule_when_set():
+def test_bias_rate_is_router_bias_rate_at_every_step():
+    """DeepSeek-V3's one constant rate (the schedule lost its A/B), also for a traced step."""
     cfg = get_config("tiny", router_bias_rate=1e-3)
-    assert cfg.router_bias_rate_start == 0.0 and cfg.router_bias_rate_decay_steps == 0
     for step in (0, 7, 10_000):
         np.testing.assert_allclose(bias_rate_at(cfg, step), 1e-3, rtol=1e-6)
-    cfg = get_config("tiny", router_bias_rate=1e-3, router_bias_rate_start=1e-2, router_bias_rate_decay_steps=100)
-    rates = np.asarray(jax.jit(lambda s: bias_rate_at(cfg, s))(jnp.arange(0, 301, dtype=jnp.int32)))
-    np.testing.assert_allclose(rates[0], 1e-2, rtol=1e-6)
-    np.testing.assert_allclose(rates[50], 5.5e-3, rtol=1e-5)  # half-cosine: halfway between at the midpoint
-    np.testing.assert_allclose(rates[100:], 1e-3, rtol=1e-6)
-    assert np.all(np.diff(rates) <= 1e-12)  # never increases
+    rates = np.asarray(jax.jit(jax.vmap(lambda s: bias_rate_at(cfg.replace(router_bias_rate=2e-2), s)))(
+        jnp.arange(0, 301, dtype=jnp.int32)))
+    np.testing.assert_allclose(rates, 2e-2, rtol=1e-6)
 
 
 def test_router_init_std_sets_the_gate_kernel_scale_only():
@@ -158,8 +160,99 @@ def test_router_lr_scale_keeps_the_gate_and_scales_its_adam_steps():
 
 
 @pytest.mark.parametrize("field, value", [("router_init_std", 0.0), ("router_init_std", -1.0),
-                                          ("router_bias_rate_start", -1e-3), ("router_bias_rate_decay_steps", -1),
                                           ("router_lr_scale", 0.0), ("router_bias_update", "signum")])
 def test_router_recipe_fields_are_validated(field, value):
     with pytest.raises(ValueError, match=field):
         get_config("tiny", **{field: value})
+
+
+# ------------------------------------------------------------------ router_center_causal: top-k reads each token's
+# gate logits minus the running mean of its own sequence so far; combine weights, gradients and the default unchanged
+
+def _router(**overrides):
+    cfg = get_config("tiny", **overrides)
+    return cfg, Router(cfg, nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_center_causal_bad_value_names_the_field(value):
+    with pytest.raises((ValueError, TypeError), match=r"ModelConfig\.router_center_causal"):
+        get_config("tiny", router_center_causal=value)
+
+
+def test_selection_is_the_logits_minus_their_causal_mean():
+    cfg, router = _router(router_center_causal=True)
+    x = jax.random.normal(jax.random.key(1), (3, 16, cfg.d_model))
+    logits = np.asarray(x, np.float64) @ np.asarray(router.gate(), np.float64)  # (B, S, E)
+    mean = np.cumsum(logits, axis=1) / np.arange(1, 17)[None, :, None]
+    expect = 1 / (1 + np.exp(-(logits - mean)))
+    np.testing.assert_allclose(np.asarray(causal_centered_selection(jnp.asarray(logits, jnp.float32))), expect,
+                               atol=1e-6)
+    out = router(x)
+    ref = route(jax.nn.sigmoid(x @ router.gate()), router.bias[...], cfg, jnp.asarray(expect, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(out.expert_ids), np.asarray(ref.expert_ids))
+    # the combine weights are the picked raw scores, as without centering
+    np.testing.assert_allclose(np.asarray(out.weights), np.asarray(ref.weights), rtol=1e-6)
+
+
+def test_a_vector_shared_by_every_token_does_not_move_the_choice():
+    cfg, router = _router(router_center_causal=True)
+    x = jax.random.normal(jax.random.key(2), (2, 32, cfg.d_model))
+    shared = 5.0 * jax.random.normal(jax.random.key(3), (2, 1, cfg.d_model))  # one per sequence, large
+    plain = np.asarray(router(x).expert_ids)
+    shifted = np.asarray(router(x + shared).expert_ids)
+    np.testing.assert_array_equal(plain, shifted)
+    _, uncentered = _router()
+    assert (np.asarray(uncentered(x).expert_ids) != np.asarray(uncentered(x + shared).expert_ids)).any(), \
+        "without centering the shared vector must change some choice (else this test shows nothing)"
+
+
+def test_causal_a_later_token_never_changes_an_earlier_choice():
+    cfg, router = _router(router_center_causal=True)
+    x = jax.random.normal(jax.random.key(4), (1, 24, cfg.d_model))
+    y = x.at[:, 12:].set(jax.random.normal(jax.random.key(5), (1, 12, cfg.d_model)))
+    a, b = np.asarray(router(x).expert_ids), np.asarray(router(y).expert_ids)
+    np.testing.assert_array_equal(a[:, :12], b[:, :12])
+    assert (a[:, 12:] != b[:, 12:]).any()
+
+
+def test_center_causal_needs_a_sequence_axis():
+    cfg, router = _router(router_center_causal=True)
+    with pytest.raises(ValueError, match="router_center_causal needs"):
+        router(jnp.ones((8, cfg.d_model)))
+
+
+def test_the_model_with_center_causal_has_finite_nonzero_gradients():
+    """The whole model traces and differentiates with the (stop-gradient) centered choice."""
+    cfg = get_config("tiny", router_center_causal=True, n_layers=2, mtp_depth=0, moe_path="ragged")  # one MoE layer
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(6), (2, 17), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 16), jnp.float32)}
+    grads = nnx.jit(nnx.grad(lambda m: lm_loss(m, batch)[0]))(model)
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    assert leaves and all(np.isfinite(np.asarray(g)).all() for g in leaves)
+    assert any(np.abs(np.asarray(g)).max() > 0 for g in leaves)
+
+
+def test_center_causal_presets():
+    assert get_config("reduced").router_center_causal  # the issue-13 routing recipe (NOTES part 8)
+    assert not get_config("deepseek_v3_671b").router_center_causal  # DeepSeek-V3's published router
+    assert not get_config("tiny").router_center_causal
+
+
+# ------------------------------------------------------------------ who picks the experts
+
+
+@requires_turbo
+def test_the_router_topk_kernel_picks_on_gpus_only(monkeypatch):
+    """The device decides (both pick the same: tests/model/test_router_seq_load_penalty.py); the router calls the kernel
+    exactly when `topk_kernel_here`."""
+    assert router_module.topk_kernel_here() == (jax.default_backend() == "gpu")
+    cfg, router = _router(n_experts=8, n_groups=1, topk_groups=1, top_k=2)
+    x = jax.random.normal(jax.random.key(8), (2, 8, cfg.d_model))
+    lowered = lambda: jax.jit(lambda v: router(v).expert_ids).lower(x).as_text()
+    assert ("turbo_moe_router_topk" in lowered()) == (jax.default_backend() == "gpu")
+    monkeypatch.setattr(router_module, "topk_kernel_here", lambda: True)
+    assert "turbo_moe_router_topk" in lowered()
+    monkeypatch.setattr(router_module, "topk_kernel_here", lambda: False)
+    assert "turbo_moe_router_topk" not in lowered()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.model.conftest import requires_turbo
 from turbo_moe.model import DeepSeekModel, get_config, lm_loss
 from turbo_moe.model.router import SEQ_LOAD_PRIOR_TOKENS, Router, route, seq_load_penalized_selection
 
@@ -109,7 +110,8 @@ def test_needs_a_sequence_axis():
 
 
 def test_the_model_with_it_has_finite_nonzero_gradients():
-    cfg = get_config("tiny", router_seq_load_penalty=0.1, router_center_causal=True, n_layers=2, mtp_depth=0)
+    cfg = get_config("tiny", router_seq_load_penalty=0.1, router_center_causal=True, n_layers=2, mtp_depth=0,
+                     moe_path="ragged")
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(6), (2, 17), 0, cfg.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 16), jnp.float32)}
@@ -157,25 +159,24 @@ def test_presets():
     assert get_config("tiny").router_seq_load_penalty == 0.0
 
 
-def test_router_topk_impl_is_validated():
-    with pytest.raises(ValueError, match=r"ModelConfig\.router_topk_impl.*'xla', 'kernel'"):
-        get_config("tiny", router_topk_impl="cuda")
-    assert get_config("reduced").router_topk_impl == "xla"
-
-
+@requires_turbo
 @pytest.mark.parametrize("penalty, causal", [(0.1, True), (0.0, False)])
-def test_the_kernel_impl_gives_the_xla_loss_and_gradients(penalty, causal):
-    """router_topk_impl="kernel" (turbo_moe.ops.router_topk) picks what the XLA path picks: same loss, same grads."""
-    def loss_and_grads(impl):
+def test_the_kernel_gives_the_xla_loss_and_gradients(penalty, causal, monkeypatch):
+    """The router_topk kernel (turbo_moe.ops.router_topk, what GPUs run: `router.topk_kernel_here`) picks what the jnp
+    path picks: same loss, same grads."""
+    from turbo_moe.model import router as router_module
+
+    def loss_and_grads(kernel):
+        monkeypatch.setattr(router_module, "topk_kernel_here", lambda: kernel)
         cfg = get_config("tiny", router_seq_load_penalty=penalty, router_seq_load_chunk=4, router_center_causal=causal,
-                         n_layers=2, router_topk_impl=impl)
+                         n_layers=2, moe_path="ragged")
         model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(7), (2, 25), 0, cfg.vocab_size)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 24), jnp.float32)}
         loss, grads = nnx.jit(nnx.value_and_grad(lambda m: lm_loss(m, batch)[0]))(model)
         return loss, jax.tree.leaves(nnx.state(grads, nnx.Param))
 
-    (loss_x, grads_x), (loss_k, grads_k) = loss_and_grads("xla"), loss_and_grads("kernel")
+    (loss_x, grads_x), (loss_k, grads_k) = loss_and_grads(False), loss_and_grads(True)
     np.testing.assert_allclose(float(loss_k), float(loss_x), rtol=1e-6)
     for a, b in zip(grads_k, grads_x):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

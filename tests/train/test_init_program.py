@@ -1,9 +1,11 @@
-"""InitProgram: the init program's threefry lowering choice (GPU kernel vs default) and its fallbacks."""
+"""InitProgram: the init program's generator and threefry lowering choice (GPU kernel vs default), fallbacks."""
 import jax
 import numpy as np
 import pytest
 
-from turbo_moe.train.init_program import InitProgram
+from turbo_moe.train.init_program import CPU_RNG, InitProgram, cpu_key
+
+ON_GPU = jax.default_backend() == "gpu"
 
 
 def _init(key):
@@ -11,31 +13,56 @@ def _init(key):
     return {"w": jax.random.normal(k1, (8, 5)) * 0.02, "b": jax.random.uniform(k2, (5,))}
 
 
-def test_bad_mode_names_the_setting(monkeypatch):
-    with pytest.raises(ValueError, match="TURBO_MOE_INIT_THREEFRY_KERNEL"):
+def _assert_same(got, expected):
+    for name in expected:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(expected[name]))
+
+
+def test_bad_mode_names_the_setting():
+    with pytest.raises(ValueError, match=r"InitProgram mode: must be one of \('auto', 'on', 'off'\), got 'sometimes'"):
         InitProgram(jax.jit(_init), "sometimes")
-    monkeypatch.setenv("TURBO_MOE_INIT_THREEFRY_KERNEL", "bogus")
     with pytest.raises(ValueError, match="bogus"):
-        InitProgram(jax.jit(_init))
+        InitProgram(jax.jit(_init), mode="bogus")
 
 
 @pytest.mark.parametrize("mode", ["auto", "on", "off"])
-def test_same_values_as_the_jitted_init(mode):
-    program, key = InitProgram(jax.jit(_init), mode), jax.random.key(3)
-    expected = jax.jit(_init)(key)
-    for got in (program(key), program.compile(key)(key)):
-        for name in expected:
-            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(expected[name]))
-    if jax.default_backend() != "gpu":  # the CPU lowering ignores the flag: the default, and says why
-        assert program.last_choice == {"lowering": "default", "why": "not a GPU"}
-    else:
-        assert program.last_choice["lowering"] == ("default" if mode == "off" else "kernel")
+def test_same_values_as_the_jitted_init_of_its_key(mode):
+    program, key = InitProgram(jax.jit(_init), mode=mode), jax.random.key(3)
+    drawn_from = program.program_key(key)
+    expected = jax.jit(_init)(drawn_from)
+    for got in (program(key), program.compile(key)(drawn_from)):
+        _assert_same(got, expected)
+    if ON_GPU:
+        assert drawn_from is key and program.last_choice["lowering"] == ("default" if mode == "off" else "kernel")
+    else:  # the CPU lowering ignores the kernel flag: the default, and says why
+        assert program.last_choice == {"rng": CPU_RNG if mode == "auto" else "threefry2x32",
+                                       "lowering": "default", "why": "not a GPU"}
+
+
+@pytest.mark.skipif(ON_GPU, reason="the Philox generator is the CPU's choice")
+def test_cpu_auto_draws_from_philox_of_the_same_seed():
+    program = InitProgram(jax.jit(_init))  # mode defaults to "auto"
+    for seed in (0, 3, 2**32 - 1):
+        key = jax.random.key(seed)
+        assert str(jax.random.key_impl(program.program_key(key))) == CPU_RNG
+        assert np.array_equal(jax.random.key_data(cpu_key(key)),
+                              jax.random.key_data(jax.random.key(seed, impl=CPU_RNG)))
+        _assert_same(program(key), jax.jit(_init)(jax.random.key(seed, impl=CPU_RNG)))
+    # Other seeds, other values; "off" keeps the threefry values of the caller's key.
+    a, b = program(jax.random.key(0)), program(jax.random.key(1))
+    assert not np.array_equal(np.asarray(a["w"]), np.asarray(b["w"]))
+    off = InitProgram(jax.jit(_init), mode="off")(jax.random.key(0))
+    _assert_same(off, jax.jit(_init)(jax.random.key(0)))
+    assert not np.array_equal(np.asarray(off["w"]), np.asarray(a["w"]))
+    # A key of another generator, passed explicitly, is used as given.
+    rbg = jax.random.key(0, impl="rbg")
+    assert program.program_key(rbg) is rbg
 
 
 def test_compiled_once_per_key_kind_and_traceable():
-    program = InitProgram(jax.jit(_init), "auto")
+    program = InitProgram(jax.jit(_init), mode="auto")
     key = jax.random.key(0)
-    assert program.compile(key) is program.compile(key)
+    assert program.compile(key) is program.compile(jax.random.key(5))
     assert program.compile(jax.random.key(0, impl="rbg")) is not program.compile(key)
     shapes = jax.eval_shape(program, key)  # traced: no compile, the jitted init's shapes
     assert shapes["w"].shape == (8, 5) and shapes["b"].shape == (5,)

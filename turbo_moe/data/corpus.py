@@ -134,6 +134,9 @@ def list_corpus_files(path: str | Path) -> list[Path]:
             raise ValueError(f"dataset file {str(path)!r} has an unsupported extension; expected one of "
                              f"{', '.join(SUPPORTED_SUFFIXES)}")
         return [path]
+    if not path.is_dir():
+        raise ValueError(f"dataset path {str(path)!r} is neither a file nor a directory (a device or a pipe?); "
+                         f"expected a file or directory of {', '.join(SUPPORTED_SUFFIXES)} files")
     files = sorted(p for p in path.rglob("*") if p.is_file() and _suffix_of(p) is not None
                    and not p.name.startswith("."))
     if not files:

@@ -50,11 +50,14 @@ class SyntheticSequences:
     seq_len: int
 
     def sample(self, rows: np.ndarray, *, seed: int, step: int, stream: int = 0) -> np.ndarray:
-        # One generator per (seed, step, first row, stream): any step, any shard of it, reproducible;
-        # stream 1 is validation so it never repeats a training batch.
-        first = int(rows[0]) if len(rows) else 0
-        rng = np.random.default_rng([seed, step, first, stream])
-        return rng.integers(0, self.vocab_size, size=(len(rows), self.seq_len + 1), dtype=np.int32)
+        # One generator per (seed, step, row, stream): a row's tokens do not depend on which other rows are
+        # drawn with it, so the processes of a multi-process run, each drawing its share of the global batch,
+        # together feed the batch one process would; stream 1 is validation so it never repeats a training batch.
+        out = np.empty((len(rows), self.seq_len + 1), np.int32)
+        for i, row in enumerate(rows):
+            rng = np.random.default_rng([seed, step, int(row), stream])
+            out[i] = rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int32)
+        return out
 
 
 def unigram_log_prior(source: PackedSequences | SyntheticSequences, vocab_size: int) -> np.ndarray:

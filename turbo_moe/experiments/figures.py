@@ -51,7 +51,7 @@ def _unique(values: Iterable[object]) -> str:
     return ", ".join(seen) if seen else "unknown"
 
 
-def _short_commit(text: str) -> str:
+def short_commit(text: str) -> str:
     """The hash (10 hex digits) when the text holds one, e.g. 'daa4578+working tree (...)' -> 'daa4578+'."""
     match = re.match(r"[0-9a-f]{7,40}", text)
     if not match:
@@ -69,15 +69,34 @@ def add_provenance(fig: plt.Figure, rows: pd.DataFrame) -> plt.Figure:
 
     days = sorted({d[:10] for d in values("date")})
     dates = "unknown" if not days else days[0] if len(days) == 1 else f"{days[0]} .. {days[-1]}"
-    commits = ", ".join(sorted({_short_commit(c) for c in values("git_commit", "commit")})) or "unknown"
+    commits = ", ".join(sorted({short_commit(c) for c in values("git_commit", "commit")})) or "unknown"
     devices = ", ".join(values("device_kind", "device")) or "unknown"
+    campaigns = ", ".join(values("campaign")) or "unknown"
     made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     commits += " (+: modified tree)" if "+" in commits else ""
-    text = f"device: {devices} | run date: {dates} | commit: {commits} | drawn {made}"
+    lines = [f"campaign: {campaigns} | device: {devices} | run date: {dates} | commit: {commits} | drawn {made}"]
+    loaded = load_note(rows)
+    if loaded:
+        lines.append(loaded)
     # Reserve a strip at the bottom so the footer never overlaps rotated tick labels.
-    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
-    fig.text(0.01, 0.05 / fig.get_figheight(), text, fontsize=7, color="0.35", ha="left", va="bottom")
+    fig.tight_layout(rect=(0, (0.25 + 0.13 * len(lines)) / fig.get_figheight(), 1, 1))
+    fig.text(0.01, 0.05 / fig.get_figheight(), "\n".join(lines), fontsize=7, color="0.35", ha="left", va="bottom")
     return fig
+
+
+LOADED_PER_CORE = 0.5  # other work on the machine above this (1-min load per core, outside the run) skews timings
+
+
+def load_note(rows: pd.DataFrame) -> str:
+    """A warning line when rows were measured on a loaded machine (``load_per_core``, recorded at run time):
+    their timings are not comparable with runs on an idle one."""
+    if "load_per_core" not in rows:
+        return ""
+    load = pd.to_numeric(rows["load_per_core"], errors="coerce").dropna()
+    if load.empty or load.max() <= LOADED_PER_CORE:
+        return ""
+    return (f"measured on a loaded machine (1-min load {load.max():.2f} per core): "
+            "timings are not comparable with the published ones")
 
 
 def _device(frame: pd.DataFrame) -> pd.Series:
@@ -181,8 +200,8 @@ def peak_memory(results: pd.DataFrame) -> plt.Figure | None:
         ax.set(xlabel="MoE path", ylabel="peak memory (GiB)")
         ax.set_title(f"Peak memory — {device}, {sweep}\nsource: {source}", fontsize=10)
         ax.tick_params(axis="x", rotation=20)
-        if hue:
-            ax.legend(title="per-device batch", fontsize=8)
+        if hue:  # outside the axes: inside, it covered the tallest bars
+            ax.legend(title="per-device batch", fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
     return add_provenance(fig, frame)
 
 
@@ -350,13 +369,17 @@ def kernel_tflops(kernels: pd.DataFrame, routing: str | None = None) -> plt.Figu
         if not panel.empty:
             sns.barplot(data=panel, x="shape", y="tflops", hue="impl", order=shapes, hue_order=impls,
                         errorbar=None, ax=ax)
+            for bars in ax.containers:  # values on the bars: ragged_dot's are 50x below the others
+                ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1)
         for i, shape in enumerate(shapes):
             if (shape, op) in ceiling:
                 ax.hlines(ceiling[(shape, op)], i - 0.45, i + 0.45, color="black", linewidth=2,
                           label="dense GEMM ceiling" if i == 0 else None)
-        ax.set(xlabel="", ylabel="TFLOP/s", title=f"Grouped GEMM {op}, {routing} routing")
-        ax.set_ylim(0, 1.3 * float(rows["tflops"].max()))  # headroom for the legend
-        ax.legend(fontsize=7, ncol=len(impls) + 1, loc="upper left")
+        # A log axis: a 10 TFLOP/s bar stays visible next to 600 TFLOP/s ones.
+        ax.set_yscale("log")
+        ax.set(xlabel="", ylabel="TFLOP/s (log)", title=f"Grouped GEMM {op}, {routing} routing")
+        ax.set_ylim(max(0.5 * float(rows["tflops"].min()), 1e-3), 3 * float(rows["tflops"].max()))
+        ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     axes[-1, 0].set_xlabel("shape")
     axes[-1, 0].tick_params(axis="x", rotation=35, labelsize=7)
     return add_provenance(fig, kernels)
@@ -380,4 +403,5 @@ def synthetic_vs_real(results: pd.DataFrame) -> plt.Figure | None:
         sns.barplot(data=rows, x="path", y="tgs", hue="data", errorbar=None, ax=ax)
         ax.set(xlabel="MoE path", ylabel=TGS_LABEL, title=f"Synthetic vs real data — {device}")
         ax.tick_params(axis="x", rotation=20)
+        ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
     return add_provenance(fig, frame)

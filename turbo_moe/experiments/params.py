@@ -3,14 +3,18 @@
 ``check_train_parameters`` is meant to run first in ``notebook.train_config``: ``capacity_factor`` and
 ``train_overrides`` reach ``TrainConfig``/``ModelConfig`` indirectly, so their errors named a config
 field (``TypeError: ... unexpected keyword argument 'stpes'``), not the notebook parameter.
+``check_point_values`` runs the notebook's own ``train_config`` call on a sweep's points before any runs.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import json
 import math
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 # Set by their own notebook parameters (or by the sweep): a train_overrides entry may not set them too.
@@ -63,3 +67,119 @@ def check_train_parameters(*, capacity_factor: Any = None, train_overrides: Any 
                            explicit: Iterable[str] = ()) -> tuple[float | None, dict[str, Any]]:
     """(capacity factor or None, train overrides): both checked, errors naming the notebook parameter."""
     return check_capacity_factor(capacity_factor), check_train_overrides(train_overrides, explicit)
+
+
+# ---------------------------------------------------------------------------------------- sweep dry runs
+# A sweep checks every point's values before anything runs, with the same function and so the same error
+# as the notebook: the keyword arguments of the notebook's own ``train_config(...)`` call, filled from its
+# parameters cell (defaults) and the point. Paths are checked where the kernel would resolve them (the
+# notebook's folder).
+CONFIG_CALL = "train_config"
+
+
+def notebook_defaults(notebook: str | Path) -> dict[str, Any]:
+    """The literal values the notebook's ``parameters`` cell assigns (a non-literal value is left out)."""
+    defaults: dict[str, Any] = {}
+    for cell in _code_cells(notebook):
+        if "parameters" not in (cell.get("metadata", {}).get("tags") or []):
+            continue
+        for stmt in _parse(cell).body:
+            if isinstance(stmt, ast.Assign):
+                targets, value = stmt.targets, stmt.value
+            elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+                targets, value = [stmt.target], stmt.value
+            else:
+                continue
+            try:
+                literal = ast.literal_eval(value)
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                continue
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    defaults[target.id] = literal
+        break
+    return defaults
+
+
+def config_call_arguments(notebook: str | Path) -> dict[str, Any] | None:
+    """``{keyword: parameter name}`` of the notebook's ``train_config(...)`` call (None: it makes none, or an
+    argument is not a plain name or constant, so its values cannot be checked outside the kernel)."""
+    for cell in _code_cells(notebook):
+        if "parameters" in (cell.get("metadata", {}).get("tags") or []):
+            continue
+        for node in ast.walk(_parse(cell)):
+            if not (isinstance(node, ast.Call) and _called_name(node.func) == CONFIG_CALL):
+                continue
+            if node.args or any(k.arg is None for k in node.keywords):
+                return None
+            arguments: dict[str, Any] = {}
+            for keyword in node.keywords:
+                if isinstance(keyword.value, ast.Name):
+                    arguments[keyword.arg] = _Name(keyword.value.id)
+                elif isinstance(keyword.value, ast.Constant):
+                    arguments[keyword.arg] = keyword.value.value
+                else:
+                    return None
+            return arguments
+    return None
+
+
+def check_point_values(notebook: str | Path, points: Iterable[Any], *, where: str = "sweep spec") -> None:
+    """Raise ValueError ``<where>: point <name>: <the run's own error>`` for the first point whose values the
+    notebook would refuse. Notebooks without a ``train_config`` call are not checked here."""
+    arguments = config_call_arguments(notebook)
+    if arguments is None:
+        return
+    from turbo_moe.experiments.notebook import train_config
+
+    defaults = notebook_defaults(notebook)
+    for point in points:
+        values = {**defaults, **point.params}
+        if any(isinstance(v, _Name) and v not in values for v in arguments.values()):
+            return  # a default that is not a literal: only the kernel knows it
+        kwargs = {k: values[v] if isinstance(v, _Name) else v for k, v in arguments.items()}
+        try:
+            tc = train_config(**kwargs)
+            check_paths(tc, Path(notebook).parent)
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            raise ValueError(f"{where}: point {point.name}: {exc}") from None
+
+
+def check_paths(tc: Any, cwd: Path) -> None:
+    """A dataset path must exist and hold corpus files, resolved from ``cwd`` as the kernel would."""
+    from turbo_moe.data import corpus
+    from turbo_moe.data.dataset import NAMED_DATASETS
+
+    if tc.dataset in (*NAMED_DATASETS, "synthetic"):
+        return
+    path = Path(tc.dataset).expanduser()
+    corpus.list_corpus_files(path if path.is_absolute() else cwd / path)
+
+
+class _Name(str):
+    """A parameter name (as opposed to a constant string) in a notebook call."""
+
+
+def _code_cells(notebook: str | Path) -> list[dict]:
+    try:
+        cells = json.loads(Path(notebook).read_text()).get("cells", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [c for c in cells if isinstance(c, dict) and c.get("cell_type") == "code"]
+
+
+def _parse(cell: dict) -> ast.Module:
+    source = cell.get("source", "")
+    source = "".join(source) if isinstance(source, list) else str(source)
+    # IPython magics (%matplotlib) are not Python: blank them so the rest parses.
+    source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return ast.Module(body=[], type_ignores=[])
+
+
+def _called_name(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None

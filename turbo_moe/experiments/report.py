@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from turbo_moe.experiments import figures, results
+from turbo_moe import provenance
+from turbo_moe.experiments import figures, results, store
 
 MIN_CURVE_STEPS = 20  # shorter runs (throughput probes) are noise on a loss plot
 # Routing phases of a run, as fractions of its logged steps: the router as at init (before the warm-up
@@ -70,51 +71,110 @@ def comparison_sweeps(frame: pd.DataFrame) -> list[str]:
     return chosen
 
 
-def check_parameters(results_dir: str | Path, figures_dir: str | Path) -> tuple[Path, Path]:
-    """04's parameter check, before anything is drawn: ``results_dir`` must exist and hold result tables
-    (``*.csv``); ``figures_dir`` is created if its parent exists. ValueError names the parameter."""
-    results_path, figures_path = Path(results_dir), Path(figures_dir)
-    if not results_path.is_dir():
-        raise ValueError(f"parameter results_dir: {str(results_dir)!r} is not a folder "
-                         f"(resolved: {results_path.resolve()})")
-    if not any(results_path.glob("*.csv")):
-        raise ValueError(f"parameter results_dir: {str(results_dir)!r} holds no results tables (*.csv); "
-                         "run a sweep first (turbo-moe sweep experiments/sweeps/cpu_default.yaml)")
+def check_parameters(store_dir: str | Path, figures_dir: str | Path) -> tuple[Path, Path]:
+    """04's parameter check, before anything is drawn: ``store_dir`` must be a results store holding records;
+    ``figures_dir`` is created if its parent exists. ValueError names the parameter."""
+    store_path, figures_path = Path(store_dir), Path(figures_dir)
+    if not store_path.is_dir():
+        raise ValueError(f"parameter store_dir: {str(store_dir)!r} is not a folder "
+                         f"(resolved: {store_path.resolve()})")
+    if not store.campaign_names(store_path):
+        raise ValueError(f"parameter store_dir: {str(store_dir)!r} holds no records (records/campaign=*/); run a "
+                         "sweep and `turbo-moe report`, or python -m turbo_moe.experiments.migrate")
     if figures_path.exists() and not figures_path.is_dir():
         raise ValueError(f"parameter figures_dir: {str(figures_dir)!r} exists and is not a folder")
     if not figures_path.parent.is_dir():
         raise ValueError(f"parameter figures_dir: the parent folder of {str(figures_dir)!r} does not exist "
                          f"(resolved: {figures_path.parent.resolve()})")
     figures_path.mkdir(exist_ok=True)
-    return results_path, figures_path
+    return store_path, figures_path
 
 
-def load_report_data(results_dir: str | Path) -> ReportData:
-    """Read all results tables, the comparison sweeps' records and the kernel tables."""
-    frame = figures.with_path_labels(results.load_results(results_dir)) if Path(results_dir).exists() else \
-        pd.DataFrame()
+def default_store(results_dir: str | Path) -> Path:
+    """The store next to a results folder: experiments/results -> experiments/store."""
+    return Path(results_dir).parent / "store"
+
+
+def ingest_live_tables(results_dir: str | Path, store_dir: str | Path) -> dict[str, int]:
+    """Bring the sweep runner's and benchmarks' tables under ``results_dir`` into the store (only files
+    that changed since the last ingest)."""
+    from turbo_moe.experiments import migrate
+
+    return migrate.ingest(results_dir, store_dir, quiet=True)
+
+
+def _source_tables(store_dir: Path, campaigns: list[str], keep) -> list[tuple[str, str, pd.DataFrame]]:
+    """(campaign, source, table) for every top-level table of ``campaigns`` whose columns pass ``keep``,
+    rebuilt as it was written, with a ``store_record`` column (the record id of each row)."""
+    out = []
+    sources = store.read_sources(store_dir, campaigns)
+    sources = sources[(sources["format"] == "csv") & ~sources["path"].str.contains("/")]
+    records = store.read_records(store_dir, campaigns)
+    for _, source in sources.sort_values("path").iterrows():
+        columns = json.loads(source["columns"])
+        if not keep(source["path"], columns):
+            continue
+        rows = records[(records["campaign"] == source["campaign"]) & (records["source"] == source["path"])]
+        # Rows in the order they were measured (a table ingested again after a fresh run adds rows).
+        rows = rows.assign(_order=[json.loads(e).get("_row", i) for i, e in enumerate(rows["extra"])],
+                           _date=rows["date"].fillna("")).sort_values(["_date", "_order"], kind="stable")
+        table = store.table_frame(rows, columns)
+        if not table.empty:
+            out.append((source["campaign"], source["path"], table.assign(store_record=list(rows["record"]))))
+    return out
+
+
+def load_report_data(store_dir: str | Path = store.DEFAULT_STORE, campaigns: list[str] | None = None) -> ReportData:
+    """Sweep results, the comparison sweeps' histories and expert loads, and the kernel tables, from the
+    store (``campaigns``: default every campaign whose status is current)."""
+    store_dir = Path(store_dir)
+    if campaigns is None:
+        campaigns = store.current_campaigns(store_dir) if store_dir.is_dir() else []
+    sweeps = _source_tables(store_dir, campaigns, lambda path, cols: not Path(path).name.startswith("kernels_")
+                            and "point" in cols)
+    frames = []
+    for campaign, path, table in sweeps:
+        if "sweep" not in table:
+            table["sweep"] = Path(path).stem
+        frames.append(table.assign(campaign=campaign))
+    frame = results.latest_rows(pd.concat(frames, ignore_index=True)) if frames else pd.DataFrame()
+    records = store.read_records(store_dir, campaigns) if campaigns else pd.DataFrame(columns=["record", "extra"])
+    documents = {r: json.loads(e) for r, e in zip(records["record"], records["extra"])}
+    if not frame.empty:
+        frame["record_path"] = [r if "_record_file" in documents.get(r, {}) else None for r in frame["store_record"]]
+        loads_at_run = dict(zip(records["record"], [json.loads(p).get("load_per_core") for p in records["provenance"]]))
+        frame["load_per_core"] = [loads_at_run.get(r) for r in frame["store_record"]]
+        frame = figures.with_path_labels(frame)
     histories, loads = [], {}
-    for sweep in comparison_sweeps(frame) if not frame.empty else []:
-        rows = frame[(frame["sweep"] == sweep) & frame["record_path"].notna()]
-        for _, row in rows.iterrows():
-            record = results.load_record(row["record_path"]) or {}
-            history = pd.DataFrame(record.get("history") or [])
-            if len(history) >= MIN_CURVE_STEPS and "step" in history:
-                histories.append(history.assign(sweep=sweep, point=row["point"], label=row["path"],
-                                                moe_path=row["moe_path"]))
-            if record.get("expert_load"):
-                loads.setdefault(sweep, {})[row["path"]] = np.asarray(record["expert_load"], dtype=float)
-    kernels = results.load_kernel_tables(results_dir) if Path(results_dir).exists() else pd.DataFrame()
+    chosen = comparison_sweeps(frame) if not frame.empty else []
+    wanted = frame[frame["sweep"].isin(chosen) & frame["record_path"].notna()] if chosen else frame.iloc[0:0]
+    steps = store.read_history(store_dir, sorted(set(wanted["campaign"])), records=wanted["record_path"]) \
+        if len(wanted) else pd.DataFrame()
+    for _, row in wanted.iterrows():
+        history = steps[steps["record"] == row["record_path"]].drop(columns=["campaign", "record"]) \
+            .dropna(axis=1, how="all").reset_index(drop=True)
+        if len(history) >= MIN_CURVE_STEPS and "step" in history:
+            histories.append(history.assign(sweep=row["sweep"], point=row["point"], label=row["path"],
+                                            moe_path=row["moe_path"]))
+        load = documents[row["record_path"]].get("document", {}).get("expert_load")
+        if load:
+            loads.setdefault(row["sweep"], {})[row["path"]] = np.asarray(load, dtype=float)
+    kernel_tables = _source_tables(store_dir, campaigns, lambda path, cols: Path(path).name.startswith("kernels_")
+                                   and {"shape", "impl", "tflops"} <= set(cols))
+    kernels = [_schema_columns(t.drop(columns="store_record")).assign(table=Path(p).stem, campaign=c)
+               for c, p, t in kernel_tables]
+    kernels = pd.concat(kernels, ignore_index=True) if kernels else pd.DataFrame()
     histories = pd.concat(histories, ignore_index=True) if histories else pd.DataFrame()
     phases = routing_phases(histories)
     if not phases.empty:
         frame = frame.merge(phases, on=["sweep", "point"], how="left")
-    return ReportData(
-        results=frame,
-        histories=histories,
-        loads=loads,
-        kernels=kernels,
-    )
+    return ReportData(results=frame, histories=histories, loads=loads, kernels=kernels)
+
+
+def _schema_columns(table: pd.DataFrame) -> pd.DataFrame:
+    """Old benchmark tables spelled provenance ``device``/``jax``/``commit``: the schema's names instead."""
+    renames = {old: new for old, new in provenance.LEGACY_NAMES.items() if old in table and new not in table}
+    return table.rename(columns=renames)
 
 
 def routing_phases(histories: pd.DataFrame) -> pd.DataFrame:
@@ -202,16 +262,21 @@ def results_markdown(frame: pd.DataFrame) -> str:
         "final_loss": "final loss", "final_eval_loss": "eval loss", "dropped_fraction_mean": "dropped",
         "dropped_init": "dropped, first 5% of steps", "dropped_late": "dropped, last 25%",
         "load_init": "load max/mean, first 5%", "load_late": "load max/mean, last 25%",
-        "device_kind": "device",
+        "device_kind": "device", "campaign": "campaign", "git_commit": "commit", "date": "run date",
     }
     frame = frame.copy()
     if "peak_memory_bytes" in frame:
         frame["peak_gib"] = pd.to_numeric(frame["peak_memory_bytes"], errors="coerce") / figures.GIB
     present = [c for c in columns if c in frame]
     lines = ["| " + " | ".join(columns[c] for c in present) + " |", "|" + "---|" * len(present)]
+    if "git_commit" in frame:
+        frame["git_commit"] = [figures.short_commit(str(c)) if isinstance(c, str) else c for c in frame["git_commit"]]
+    if "date" in frame:
+        frame["date"] = [d[:10] if isinstance(d, str) else d for d in frame["date"]]
     for _, row in frame[present].iterrows():
         lines.append("| " + " | ".join(_fmt(row[c]) for c in present) + " |")
-    return "\n".join(lines) + "\n"
+    note = figures.load_note(frame)
+    return "\n".join(lines) + "\n" + (f"\n_{note}._\n" if note else "")
 
 
 def _fmt(value: object) -> str:
@@ -222,9 +287,16 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def build_report(results_dir: str | Path, figures_dir: str | Path, *, close: bool = True) -> ReportSummary:
-    """Draw every figure and the results table from ``results_dir`` into ``figures_dir``."""
-    data = load_report_data(results_dir)
+def build_report(results_dir: str | Path, figures_dir: str | Path, *, store_dir: str | Path | None = None,
+                 close: bool = True) -> ReportSummary:
+    """Ingest the live tables of ``results_dir`` into the store (default: its sibling ``store``), then draw
+    every figure and the results table from the store into ``figures_dir``."""
+    store_dir = Path(store_dir) if store_dir is not None else default_store(results_dir)
+    ingest_live_tables(results_dir, store_dir)
+    return draw_report(load_report_data(store_dir), figures_dir, close=close)
+
+
+def draw_report(data: ReportData, figures_dir: str | Path, *, close: bool = True) -> ReportSummary:
     summary = ReportSummary(Path(figures_dir))
     Path(figures_dir).mkdir(parents=True, exist_ok=True)
     for name, builder in figure_builders(data).items():
@@ -245,9 +317,10 @@ def write_results_table(data: ReportData, figures_dir: str | Path, summary: Repo
 
 def run_report_notebook(
     notebook: str | Path, out: str | Path, results_dir: str | Path, figures_dir: str | Path, *,
-    kernel: str = "turbo-moe",
+    kernel: str = "turbo-moe", store_dir: str | Path | None = None,
 ) -> ReportSummary:
-    """Execute the report notebook through papermill and return the manifest it wrote."""
+    """Ingest the live tables of ``results_dir`` into the store, then execute the report notebook on the
+    store through papermill; returns the manifest it wrote."""
     import papermill
 
     from turbo_moe.experiments.runner import check_kernel
@@ -256,10 +329,11 @@ def run_report_notebook(
     if not notebook.is_file():
         raise ValueError(f"report notebook {str(notebook)!r} does not exist (run from the repository root)")
     check_kernel(kernel)
+    store_dir = Path(store_dir) if store_dir is not None else default_store(results_dir)
+    ingest_live_tables(results_dir, store_dir)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(
         str(notebook), str(out), kernel_name=kernel, cwd=str(notebook.parent), progress_bar=False,
-        parameters={"results_dir": str(Path(results_dir).resolve()),
-                    "figures_dir": str(Path(figures_dir).resolve())},
+        parameters={"store_dir": str(store_dir.resolve()), "figures_dir": str(Path(figures_dir).resolve())},
     )
     return ReportSummary.load(Path(figures_dir))

@@ -24,7 +24,12 @@ Every point is ``base`` updated with its grid values and/or explicit entries. It
 parameters that vary (``moe_path-ragged__per_device_batch-4``), so names stay stable when points are
 added, which is what resume relies on; a name longer than ``MAX_NAME_CHARS`` is cut and ends in a hash
 of the full name (still stable, still unique). Every parameter name must be one the notebook's
-``parameters`` cell assigns (papermill would only warn, and the point would run with the default).
+``parameters`` cell assigns (papermill would only warn, and the point would run with the default), and
+every point's values pass the notebook's own parameter check (``params.check_point_values``) before
+anything runs, with the error the run would give.
+
+YAML is read as YAML 1.2 reads numbers (``1e-3`` is a float, not the string PyYAML's YAML 1.1 makes of
+it), and a key given twice in one mapping is an error naming both lines (YAML 1.1 keeps the last).
 """
 
 from __future__ import annotations
@@ -144,16 +149,48 @@ def _check_unique_names(points: list[SweepPoint]) -> None:
         seen[p.name] = p.varying
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats and duplicate keys refused."""
+
+
+# YAML 1.2's float forms that YAML 1.1 lacks: an exponent without a dot (1e-3, 2E5).
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    first: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *alias` may be overridden by design
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            seen = first.setdefault(key, key_node.start_mark.line + 1)
+        except TypeError:  # an unhashable key: the base constructor reports it
+            continue
+        if seen != key_node.start_mark.line + 1:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (first on line {seen}); keep one", key_node.start_mark)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_SpecLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
 def load_spec(path: str | Path, *, repo_root: str | Path | None = None) -> SweepSpec:
     """Read and validate a sweep spec YAML file; raises ValueError naming the offending field."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(path.glob("*.yaml"))
+        raise ValueError(f"sweep spec {str(path)!r} is a folder, not a YAML file"
+                         + (f"; e.g. {inside[0]}" if inside else ""))
     if not path.is_file():
         raise ValueError(f"sweep spec {str(path)!r} does not exist")
     if path.stat().st_size > MAX_SPEC_BYTES:
         raise ValueError(f"sweep spec {str(path)!r} is {path.stat().st_size} bytes; specs are limited to "
                          f"{MAX_SPEC_BYTES} bytes")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_SpecLoader)  # noqa: S506 — a SafeLoader
     except yaml.YAMLError as exc:
         raise ValueError(f"sweep spec {str(path)!r} is not valid YAML: {_yaml_problem(exc)}") from None
     except UnicodeDecodeError as exc:
@@ -186,9 +223,10 @@ def _check_size(raw: Any, where: str) -> None:
 
 
 def spec_from_dict(
-    raw: Any, *, source: Path | None = None, repo_root: str | Path | None = None
+    raw: Any, *, source: Path | None = None, repo_root: str | Path | None = None, check_values: bool = True
 ) -> SweepSpec:
-    """Validate a parsed spec mapping (see ``load_spec``)."""
+    """Validate a parsed spec mapping (see ``load_spec``); ``check_values`` runs the notebook's own
+    parameter check on every point (``params.check_point_values``)."""
     where = f"sweep spec {str(source)!r}" if source else "sweep spec"
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: expected a YAML mapping at the top level, got {type(raw).__name__}")
@@ -224,7 +262,7 @@ def spec_from_dict(
         raise ValueError(f"{where}: {n_points + len(points)} points; a spec may have at most {MAX_POINTS}")
     notebook = resolve_notebook(raw["notebook"], source=source, repo_root=repo_root)
     check_notebook_parameters(notebook, base, grid, points, record=record, where=where)
-    return SweepSpec(
+    spec = SweepSpec(
         name=name,
         notebook=notebook,
         base=base,
@@ -237,6 +275,11 @@ def spec_from_dict(
         source=source,
         oom_frontier=frontier,
     )
+    if check_values:
+        from turbo_moe.experiments import params
+
+        params.check_point_values(notebook, spec.expand(), where=where)
+    return spec
 
 
 def notebook_parameters(notebook: Path) -> list[str] | None:

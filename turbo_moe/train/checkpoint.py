@@ -10,17 +10,32 @@ asynchronous orbax save fails early (its folder cannot be made), its other non-d
 a signal that never comes and the process hangs at exit; a save costs no step time either way (the loop
 excludes checkpointing from step times). ``restore()`` of the latest step falls back to the newest
 step that restores, moving a damaged one aside as ``<step>.damaged-<n>``.
+
+One writer per folder: a ``Checkpointer`` holds ``.<folder>.writer.lock`` beside the folder (naming its
+holder) from creation to ``close()``, and a second one is refused with ``CheckpointBusy`` before orbax
+touches the folder (orbax removes unfinished saves it finds there: the other run's save in progress).
+Under ``jax.distributed`` process 0 holds it for the job. A failed save removes its own unfinished
+``<step>.orbax-checkpoint-tmp`` folder, and the tracebacks orbax's threads print for it (the same error,
+once per thread) are left out: the ``CheckpointError`` carries it once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from turbo_moe.writer_lock import HolderLock
 
 
 log = logging.getLogger(__name__)
@@ -41,6 +56,22 @@ class CheckpointError(RuntimeError):
 
     Never an out-of-memory condition: a full disk reads RESOURCE_EXHAUSTED in tensorstore's words.
     """
+
+
+class CheckpointBusy(CheckpointError):
+    """Another process (or another Checkpointer in this one) writes this checkpoint folder."""
+
+
+class _WriterLock(HolderLock):
+    busy = CheckpointBusy
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        super().__init__(directory.with_name(f".{directory.name}.writer.lock"))
+
+    def refusal(self, holder: str, waited: str) -> str:
+        return (f"checkpoint folder {self.directory} is being written by another run: {holder}. Two writers "
+                "destroy each other's saves; wait for it to finish or give this run another checkpoint_dir")
 
 
 def _reason(exc: BaseException) -> str:
@@ -94,6 +125,13 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, keep: int = 2):
         self.directory = Path(directory).expanduser().resolve()
+        self._lock = _WriterLock(self.directory) if jax.process_index() == 0 else None
+        if self._lock is not None:
+            try:
+                self._lock.__enter__()  # before orbax opens the folder (see the module doc)
+            except OSError as exc:
+                raise CheckpointError(f"cannot take the writer lock of the checkpoint folder {self.directory}: "
+                                      f"{_reason(exc)}") from exc
         try:
             self._manager = ocp.CheckpointManager(
                 self.directory,
@@ -102,7 +140,16 @@ class Checkpointer:
                 item_names=("state", "record"),
             )
         except Exception as exc:  # e.g. no permission to create it: name the folder and the reason
+            self._release()
             raise CheckpointError(f"cannot open the checkpoint folder {self.directory}: {_reason(exc)}") from exc
+
+    def _release(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
+
+    def __del__(self):
+        self._release()
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -110,10 +157,27 @@ class Checkpointer:
     def save(self, step: int, state, record: dict) -> None:
         """Durable when it returns (synchronous, see the module doc). Raises CheckpointError."""
         try:
-            self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(flatten_state(state)), record=ocp.args.JsonSave(record)))
+            with _orbax_noise_held_back() as failed:
+                try:
+                    self._manager.save(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(flatten_state(state)), record=ocp.args.JsonSave(record)))
+                except Exception:
+                    failed.append(True)
+                    raise
         except Exception as exc:
-            raise CheckpointError(f"checkpoint save of step {step} in {self.directory} failed: {_reason(exc)}") from exc
+            left = self._remove_unfinished(step)
+            raise CheckpointError(f"checkpoint save of step {step} in {self.directory} failed: {_reason(exc)}"
+                                  + left) from exc
+
+    def _remove_unfinished(self, step: int) -> str:
+        """Remove this save's unfinished ``<step>.orbax-checkpoint-tmp*`` folders (ours: we hold the lock)."""
+        kept = []
+        for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            try:
+                shutil.rmtree(tmp)
+            except OSError as exc:
+                kept.append(f"{tmp} ({exc.strerror or exc})")
+        return f"; could not remove the unfinished {', '.join(kept)}" if kept else ""
 
     def restore(self, like, step: int | None = None, *, config: dict | None = None) -> tuple[Any, dict]:
         """(state with `like`'s structure and shardings, record) at `step`.
@@ -124,6 +188,10 @@ class Checkpointer:
         steps = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"no checkpoint found in {self.directory}")
+        if config is not None and isinstance(config.get("steps"), int) and steps[0] > config["steps"]:
+            raise ValueError(f"cannot resume: the checkpoint in {self.directory} is at step {steps[0]}, past this "
+                             f"run's steps={config['steps']}; set steps >= {steps[0]} to continue it, or use another "
+                             "checkpoint_dir (or resume=False) to start again")
         failures = []
         for candidate in steps:
             try:
@@ -184,7 +252,10 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            self._manager.close()
+            try:
+                self._manager.close()
+            finally:
+                self._release()
 
     def finish(self) -> str | None:
         """`close()` that never raises an Exception: the error message, or None when all saves landed."""
@@ -194,3 +265,68 @@ class Checkpointer:
             return str(exc) if isinstance(exc, CheckpointError) else \
                 f"checkpoint close in {self.directory} failed: {_reason(exc)}"
         return None
+
+
+# Lines orbax's save threads print when a save fails: an absl ERROR record with its traceback, and
+# tensorstore callbacks into an event loop orbax already closed. All repeat the error the save raises.
+_NOISE_LOG = "_SignalingThread.run() raised an exception"
+_NOISE_END = "RuntimeError: Event loop is closed"
+
+
+@contextlib.contextmanager
+def _orbax_noise_held_back() -> Iterator[list]:
+    """Hold back what is written to stderr (the file descriptor: tensorstore writes there from C) during a
+    save. Replayed unchanged after a save that worked; after one that failed (the caller appends to the
+    list it gets), replayed without orbax's repeats of the error (``_without_orbax_noise``)."""
+    failed: list = []
+    with contextlib.ExitStack() as stack:
+        try:
+            sys.stderr.flush()
+            held = stack.enter_context(tempfile.TemporaryFile())
+            saved = os.dup(2)
+            os.dup2(held.fileno(), 2)
+        except (OSError, ValueError):  # no descriptor 2, or no space for the file: do not hold anything back
+            yield failed
+            return
+        log_filter = _DropOrbaxNoise()
+        logging.getLogger("absl").addFilter(log_filter)
+        try:
+            yield failed
+        finally:
+            logging.getLogger("absl").removeFilter(log_filter)
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode(errors="replace")
+            if text:
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.write(_without_orbax_noise(text) if failed else text)
+                    sys.stderr.flush()
+
+
+class _DropOrbaxNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _NOISE_LOG not in record.getMessage()
+
+
+def _without_orbax_noise(text: str) -> str:
+    """``text`` without tracebacks that end in ``_NOISE_END`` and absl records of ``_NOISE_LOG``."""
+    lines, kept, i = text.splitlines(keepends=True), [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("Traceback (most recent call last):") or (line.startswith("ERROR:absl:")
+                                                                       and _NOISE_LOG in line):
+            j = i + 1
+            if line.startswith("ERROR:absl:") and j < len(lines) and lines[j].startswith("Traceback"):
+                j += 1
+            while j < len(lines) and lines[j].startswith((" ", "\t")):
+                j += 1
+            block_end = min(j, len(lines) - 1)
+            if _NOISE_LOG in line or _NOISE_END in lines[block_end]:
+                i = block_end + 1
+                continue
+        kept.append(line)
+        i += 1
+    return "".join(kept)

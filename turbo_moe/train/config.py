@@ -180,6 +180,7 @@ def _validate(c: TrainConfig) -> None:
     for name in _NON_NEGATIVE_INTS:
         value = getattr(c, name)
         _require(_is_int(value) and value >= 0, name, f"must be a non-negative int, got {value!r}")
+    _require(c.seed < 2**63, "seed", f"must be below 2**63 (jax.random.key takes a 64-bit int), got {c.seed!r}")
     _require(isinstance(c.master_weights, str) and c.master_weights in MASTER_WEIGHTS, "master_weights",
              f"got {c.master_weights!r}; expected one of {MASTER_WEIGHTS}")
     _require(c.xla_gpu_autotune_level is None or (_is_int(c.xla_gpu_autotune_level)

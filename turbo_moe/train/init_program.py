@@ -1,24 +1,32 @@
-"""The parameter-init program, compiled with JAX's threefry GPU kernel where its temporaries fit.
+"""The parameter-init program, compiled with the random-number lowering that compiles fastest on the device.
 
-Why: on the GPU, JAX lowers every `jax.random` call site to an unrolled 20-round threefry graph that
-XLA compiles into its own large fusion; the init program of a model has one such site per parameter
-kind, and compiling them took 13.6 s of the `reduced` cold start on an H100 (experiments/NOTES.md).
-`jax_threefry_gpu_kernel_lowering` lowers the same threefry2x32 to one prebuilt CUDA kernel instead:
-the same bits (it is the same function), a compile of seconds, at the price of materialising the
-kernel's operands (key and counter broadcast to the output shape, ~24 bytes per parameter element of
-the largest call). `mode="auto"` compiles with the kernel, reads XLA's memory analysis and keeps it
-only if arguments + outputs + temporaries fit in the device's memory (else it compiles the default
-lowering). On the CPU the flag changes nothing (its lowering ignores it). `TURBO_MOE_INIT_THREEFRY_KERNEL`
-= auto (default) | on | off overrides the choice.
+Why: an init program has one `jax.random` call site per parameter kind, and its compile time grows with
+them (experiments/NOTES.md has the measurements).
+
+- GPU: JAX lowers every threefry call site to an unrolled 20-round graph that XLA compiles into its own
+  large fusion (13.6 s of the `reduced` cold start on an H100). `jax_threefry_gpu_kernel_lowering` lowers
+  the same threefry2x32 to one prebuilt CUDA kernel instead: the same bits (it is the same function), a
+  compile of seconds, at the price of materialising the kernel's operands (key and counter broadcast to the
+  output shape, ~24 bytes per parameter element of the largest call). `mode="auto"` compiles with the
+  kernel, reads XLA's memory analysis and keeps it only if arguments + outputs + temporaries fit in the
+  device's memory (else it compiles the default lowering).
+- CPU: the threefry lowering is a rolled loop per call site, several fusions each, and the kernel lowering
+  does not exist. `mode="auto"` draws from Philox-2x32 instead (`jax.random.key(seed, impl="philox2x32")`,
+  10 rounds, unrolled into one fusion per call site): the init compiles about 3x faster. Other values than
+  the threefry init of the same seed, equally random, and the same on every CPU.
+
+`mode`: "auto" (the above), "on" (threefry with the GPU kernel lowering; an error where it fails), "off"
+(threefry with the default lowering on every device: the values of the jitted init called with the
+caller's key).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 try:  # a jax config state: usable as a context manager (lowering reads it when it runs)
     from jax._src.config import threefry_gpu_kernel_lowering as _threefry_kernel_state
@@ -27,6 +35,7 @@ except ImportError:  # pragma: no cover — a jax without the option: always the
 
 MODES = ("auto", "on", "off")
 FIT_FRACTION = 0.9  # of the device's bytes_limit the init program may use with the kernel lowering
+CPU_RNG = "philox2x32"  # the generator "auto" draws from on the CPU
 
 
 def _threefry_kernel(enabled: bool):
@@ -54,43 +63,74 @@ def _program_bytes(compiled) -> int | None:
         "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes"))
 
 
+def _has_impl(name: str) -> bool:
+    try:
+        jax.random.key(0, impl=name)
+    except (ValueError, KeyError, TypeError):  # a jax without it: threefry everywhere
+        return False
+    return True
+
+
+def _is_threefry(key) -> bool:
+    return str(jax.random.key_impl(key)) == "threefry2x32"
+
+
+def cpu_key(key):
+    """`key` (threefry, from `jax.random.key(seed)`) as the Philox-2x32 key of the same seed: equal to
+    `jax.random.key(seed, impl="philox2x32")` for any 32-bit seed (64-bit seeds fold in their high word)."""
+    hi, lo = (int(word) for word in np.asarray(jax.random.key_data(key)).reshape(-1)[-2:])
+    out = jax.random.key(np.uint32(lo), impl=CPU_RNG)
+    return jax.random.fold_in(out, hi) if hi else out
+
+
 class InitProgram:
     """Callable like the jitted init (`key -> TrainState`), with `.lower(key)` and `.compile(key)`.
 
-    `last_choice` says which lowering the compiled program uses ("kernel" or "default") and why.
+    `program_key(key)` is the key the compiled program is called with (the CPU's Philox key under "auto",
+    else `key`): `init(key)` is `init.compile(key)(init.program_key(key))`. `last_choice` says which
+    generator and lowering the program uses ("rng", "lowering": "kernel" or "default") and why.
     """
 
-    def __init__(self, jitted: Callable, mode: str | None = None):
-        mode = mode or os.environ.get("TURBO_MOE_INIT_THREEFRY_KERNEL", "auto")
+    def __init__(self, jitted: Callable, mode: str = "auto"):
         if mode not in MODES:
-            raise ValueError(f"init threefry kernel mode (TURBO_MOE_INIT_THREEFRY_KERNEL) must be one of "
-                             f"{MODES}, got {mode!r}")
+            raise ValueError(f"InitProgram mode: must be one of {MODES}, got {mode!r}")
         self.jitted = jitted
         self.mode = mode
         self.last_choice: dict[str, Any] = {}
-        self._compiled: dict[Any, Any] = {}  # key dtype (threefry / rbg) -> compiled program
+        self._compiled: dict[Any, Any] = {}  # key dtype (threefry / philox / rbg) -> compiled program
 
     @property
     def _gpu(self) -> bool:
         return jax.default_backend() == "gpu" and _threefry_kernel_state is not None
 
+    def _cheap_rng(self, key) -> bool:
+        return (self.mode == "auto" and jax.default_backend() == "cpu" and not isinstance(key, jax.core.Tracer)
+                and _is_threefry(key) and _has_impl(CPU_RNG))
+
+    def program_key(self, key):
+        """The key the init program draws from (see the class docstring)."""
+        return cpu_key(key) if self._cheap_rng(key) else key
+
     def lower(self, key, *, kernel: bool | None = None):
         use = self.mode != "off" and self._gpu if kernel is None else kernel
         with _threefry_kernel(use):
-            return self.jitted.lower(key)
+            return self.jitted.lower(self.program_key(key))
 
     def compile(self, key):
         """Compile once per key kind (cached): with the kernel lowering where it fits, else the default."""
-        if key.dtype not in self._compiled:
-            self._compiled[key.dtype] = self._compile(key)
-        return self._compiled[key.dtype]
+        program_key = self.program_key(key)
+        if program_key.dtype not in self._compiled:
+            self._compiled[program_key.dtype] = self._compile(program_key)
+        return self._compiled[program_key.dtype]
 
     def _compile(self, key):
+        rng = str(jax.random.key_impl(key))
         if not self._gpu or self.mode == "off":
             return self._default(key, "mode off" if self._gpu else "not a GPU")
         start = time.perf_counter()
         try:
-            compiled = self.lower(key, kernel=True).compile()
+            with _threefry_kernel(True):
+                compiled = self.jitted.lower(key).compile()
         except Exception as error:  # noqa: BLE001 — e.g. a jaxlib without the kernel: the default lowering
             if self.mode == "on":
                 raise
@@ -98,15 +138,20 @@ class InitProgram:
         need, limit = _program_bytes(compiled), _device_bytes_limit()
         if self.mode == "auto" and need is not None and limit is not None and need > FIT_FRACTION * limit:
             return self._default(key, f"kernel lowering needs {need} bytes > {FIT_FRACTION} x {limit}")
-        self.last_choice = {"lowering": "kernel", "program_bytes": need, "device_bytes_limit": limit,
+        self.last_choice = {"rng": rng, "lowering": "kernel", "program_bytes": need, "device_bytes_limit": limit,
                             "kernel_compile_s": round(time.perf_counter() - start, 2)}
         return compiled
 
     def _default(self, key, why: str):
-        self.last_choice = {"lowering": "default", "why": why}
-        return self.lower(key, kernel=False).compile()
+        self.last_choice = {"rng": str(jax.random.key_impl(key)), "lowering": "default", "why": why}
+        return self.jitted.lower(key).compile()
 
     def __call__(self, key):
-        if isinstance(key, jax.core.Tracer) or not self._gpu:  # traced, or the CPU: the plain jitted init
+        if isinstance(key, jax.core.Tracer):  # traced (eval_shape, an outer jit): the plain jitted init
             return self.jitted(key)
+        if not self._gpu:  # the CPU: the jitted init's own cache (no lowering choice to make)
+            program_key = self.program_key(key)
+            self.last_choice = {"rng": str(jax.random.key_impl(program_key)), "lowering": "default",
+                                "why": "not a GPU"}
+            return self.jitted(program_key)
         return self.compile(key)(key)

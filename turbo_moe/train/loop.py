@@ -22,10 +22,11 @@ from turbo_moe.model import ModelConfig, count_params, flops_per_token
 from turbo_moe.train import metrics as M
 from turbo_moe.train.checkpoint import Checkpointer
 from turbo_moe.train.config import TrainConfig
+from turbo_moe.train.distributed import batch_share
 from turbo_moe.train.progress import RunProgress, summary_line
 from turbo_moe.train.result import RunResult
 from turbo_moe.train.step import (
-    abstract_batch, device_batch, learning_rate_schedule, make_mesh, program_for, with_head_bias)
+    abstract_batch, device_batch, device_choices, learning_rate_schedule, make_mesh, program_for, with_head_bias)
 
 
 class OutOfMemory(MemoryError):
@@ -36,9 +37,11 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
     """Train per `config`. Bad configs/data paths raise; OOM, NaN/Inf loss and other failures during
     training come back as `status` "oom" / "nan" / "error" with `error` explaining them."""
     tc = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    tc = tc.resolved()  # every "auto" as this device runs it: what the run executes and records
     model_cfg = tc.model_config()
-    # Shown from the first second: set-up, initialisation and compilation can take minutes.
-    progress = RunProgress(f"train {model_cfg.moe_path}", tc.steps, enabled=tc.progress)
+    # Shown from the first second: set-up, initialisation and compilation can take minutes. Under
+    # jax.distributed every process runs this; process 0 alone shows it.
+    progress = RunProgress(f"train {model_cfg.moe_path}", tc.steps, enabled=tc.progress and jax.process_index() == 0)
     try:
         dataset = load_dataset(tc.dataset, seq_len=tc.resolved_seq_len, vocab_size=model_cfg.vocab_size,
                                data_dir=tc.data_dir, text_field=tc.text_field, val_fraction=tc.val_fraction)
@@ -46,6 +49,7 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
         progress.close()
         raise
     result = RunResult(provenance=M.provenance(tc.to_dict(), model_cfg.to_dict(), dataset.info))
+    result.provenance["device_choices"] = device_choices(model_cfg)
     trainer = _Trainer(tc, model_cfg, dataset, result, progress)
     try:
         trainer.train()
@@ -109,9 +113,11 @@ class _Trainer:
         eval_step = program.evaluate
         if self.start_step >= tc.steps:
             return
-        proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
-        batches = BatchIterator(self.dataset.train, self.global_batch, seed=tc.seed, **proc)
-        val = [device_batch(b, mesh) for b in self._local_eval_batches()]
+        # Every process draws the rows of the global batch its devices hold; together, the batch one process would.
+        share, shares = batch_share(mesh, self.global_batch)
+        batches = BatchIterator(self.dataset.train, self.global_batch, seed=tc.seed, process_index=share,
+                                process_count=shares)
+        val = [device_batch(b, mesh) for b in self._local_eval_batches(share, shares)]
         self.progress.start_at(self.start_step)
         self._enter("training")
 
@@ -179,13 +185,12 @@ class _Trainer:
             "grad_norm": float(m["grad_norm"]),
         }
 
-    def _local_eval_batches(self) -> list[dict]:
+    def _local_eval_batches(self, share: int, shares: int) -> list[dict]:
         if self.tc.eval_batches == 0:
             return []
         batches = eval_batches(self.dataset.val, self.global_batch, self.tc.eval_batches, seed=self.tc.seed)
-        share = self.global_batch // jax.process_count()
-        lo = jax.process_index() * share
-        return [{k: v[lo:lo + share] for k, v in b.items()} for b in batches]
+        rows = slice(share * self.global_batch // shares, (share + 1) * self.global_batch // shares)
+        return [{k: v[rows] for k, v in b.items()} for b in batches]
 
     def _evaluate(self, eval_step, state, val: list[dict]) -> float:
         losses = [float(eval_step(state, batch)["ce_loss"]) for batch in val]
@@ -287,6 +292,6 @@ class _Trainer:
             "params_total": params["total"], "params_active": params["active"],
             "steps_done": history[-1]["step"] + 1 if history else 0, "resumed_from_step": self.start_step or None,
             "compile_time_s": self.compile_time_s, "phase_seconds": {k: round(v, 3) for k, v in self.phase_s.items()},
-            "init_lowering": self.init_lowering, "n_devices": self.n_devices,
+            "init_lowering": self.init_lowering, "n_devices": self.n_devices, "process_count": jax.process_count(),
             "per_device_batch": tc.per_device_batch, "seq_len": self.seq_len, "moe_path": self.model_cfg.moe_path,
         }

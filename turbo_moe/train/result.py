@@ -22,8 +22,9 @@ class RunResult:
     flops_per_token, peak_memory_bytes with memory_source, compiled_temp_bytes / compiled_total_bytes /
     compiled_memory (XLA's analysis of the step, per device), device_memory_limit_bytes (+ source),
     final_loss, final_eval_loss, dropped_fraction_mean, load_max_over_mean_mean, params_total,
-    params_active, steps_done, resumed_from_step, compile_time_s, n_devices, per_device_batch, seq_len,
-    moe_path, and oom_requested_bytes for status "oom".
+    params_active, steps_done, resumed_from_step, compile_time_s, n_devices, process_count (processes of a
+    jax.distributed run; every one returns the same figures but its own step times), per_device_batch,
+    seq_len, moe_path, and oom_requested_bytes for status "oom".
     expert_load: (L_moe, E) token copies per expert at the last step, as nested lists.
     """
 
