@@ -20,3 +20,14 @@ ALL_PATHS = ["dense_cf", "ragged", pytest.param("turbo", marks=requires_turbo)]
 def micro_config(**overrides):
     """tiny with one dense + one MoE layer + an MoE MTP block: the cheapest model that has every part."""
     return get_config("tiny", n_layers=2, max_seq_len=16, **overrides)
+
+
+def model_paths_with(monkeypatch, **variant):
+    """The model's MoE layers with their one-device path built as `moe_path_fn(path, capacity_factor, **variant)`:
+    a test reference such as `expert_backward="autodiff"` or `swiglu_impl="kernel"`, where the model always runs the
+    defaults (the expert block, "auto" SwiGLU)."""
+    from turbo_moe.model import moe_layer
+    from turbo_moe.model.paths import moe_path_fn
+
+    monkeypatch.setattr(moe_layer, "moe_path_fn",
+                        lambda path, capacity_factor: moe_path_fn(path, capacity_factor, **variant))

@@ -57,10 +57,14 @@ def test_data_parallel_moe_runs_per_device_and_matches_one_device(path):
     _assert_grads_match(grads, ref_grads)
 
 
-def test_the_router_kernel_runs_per_device_and_matches_one_device():
-    """router_topk_impl="kernel" (with the sequence load penalty): each device picks for its own sequences, not the
-    whole global batch that XLA's partitioner would give a replicated FFI call, and the picks are the one-device ones."""
-    cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0, router_topk_impl="kernel",
+def test_the_router_kernel_runs_per_device_and_matches_one_device(monkeypatch):
+    """The router_topk kernel (what GPUs run: `router.topk_kernel_here`; with the sequence load penalty): each device
+    picks for its own sequences, not the whole global batch that XLA's partitioner would give a replicated FFI call,
+    and the picks are the one-device ones."""
+    from turbo_moe.model import router
+
+    monkeypatch.setattr(router, "topk_kernel_here", lambda: True)
+    cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0,
                        router_seq_load_penalty=0.1, router_seq_load_chunk=4, router_center_causal=True)
     ((ref_loss, ref_metrics), _), compiled, args = _one_device_and_sharded(cfg, seed=1)
     _assert_every_call_is_local(compiled, "turbo_moe_router_topk", f"f32[{8 // 4},{cfg.max_seq_len},{cfg.n_experts}]")
@@ -70,9 +74,9 @@ def test_the_router_kernel_runs_per_device_and_matches_one_device():
 
 
 def test_the_segment_embedding_backward_sums_per_device_and_matches_one_device():
-    """embedding_grad="segment": each device sums its own tokens' rows (then one psum), instead of the FFI call that
-    XLA's partitioner would run on the gathered global batch; the gradients are the one-device ones."""
-    cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0, embedding_grad="segment")
+    """The embedding's segment-sum backward: each device sums its own tokens' rows (then one psum), instead of the FFI
+    call that XLA's partitioner would run on the gathered global batch; the gradients are the one-device ones."""
+    cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0)
     ((ref_loss, _), ref_grads), compiled, args = _one_device_and_sharded(cfg, seed=2)
     _assert_every_call_is_local(compiled, "turbo_moe_segment_sum", f"f32[{8 // 4 * cfg.max_seq_len},{cfg.d_model}]")
     (loss, _), grads = compiled(*args)

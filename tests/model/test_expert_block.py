@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model.conftest import requires_turbo
+from tests.model.conftest import model_paths_with, requires_turbo
 from tests.model.path_cases import fake_pallas  # noqa: F401  (a fixture)
 from tests.model.test_moe_paths import (TOLERANCE, make_case, path_loss_and_grads, reference_experts,
                                         reference_loss_and_grads)
@@ -95,15 +95,6 @@ def _step(cfg):
     return compiled(state), compiled
 
 
-def _model_paths_with(monkeypatch, **variant):
-    """The model's MoE layers with the one-device path built with `variant` (the reference arguments of
-    `moe_path_fn`) instead of the defaults the model always runs."""
-    from turbo_moe.model import moe_layer
-
-    monkeypatch.setattr(moe_layer, "moe_path_fn",
-                        lambda path, capacity_factor: moe_path_fn(path, capacity_factor, **variant))
-
-
 @pytest.mark.parametrize("swiglu_impl", ["kernel", "model"])
 def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes(swiglu_impl, monkeypatch):
     """The model as it runs (the block, "auto" SwiGLU) and the block with the SwiGLU kernels, against the ops' own
@@ -112,11 +103,11 @@ def test_model_step_same_loss_and_grads_no_gemm_twice_fewer_residual_bytes(swigl
     cfg = get_config("tiny", n_layers=5, max_seq_len=16, moe_path="turbo", remat_policy="dots_experts_attention",
                      dtype="float32")
     with monkeypatch.context() as patch:
-        _model_paths_with(patch, expert_backward="autodiff")
+        model_paths_with(patch, expert_backward="autodiff")
         (ref_loss, ref_grads), ref_compiled = _step(cfg)
     with monkeypatch.context() as patch:
         if swiglu_impl == "kernel":
-            _model_paths_with(patch, swiglu_impl="kernel")
+            model_paths_with(patch, swiglu_impl="kernel")
         (loss, grads), compiled = _step(cfg)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):

@@ -96,9 +96,9 @@ def for_path(path, request, x, experts):
 
 @requires_turbo
 @pytest.mark.parametrize("exchange", ["deepep", "ragged_all_to_all"])
-def test_expert_backward_settings_agree_under_expert_parallelism(exchange):
-    """ModelConfig.expert_backward reaches each rank's local experts: "block" and "autodiff" give the same loss,
-    outputs and gradients under EP as on one device."""
+def test_expert_block_and_autodiff_agree_under_expert_parallelism(exchange):
+    """Each rank's local experts run the expert block (the model's only setting) or, as a reference, the ops' own VJPs
+    (`expert_backward="autodiff"`): the same loss, outputs and gradients under EP as on one device."""
     x, routing, experts = problem(seed=5)
     ref = loss_and_grads(moe_path_fn("turbo", CF, expert_backward="autodiff"), x, routing, experts)
     for expert_backward in ("autodiff", "block"):
@@ -110,6 +110,10 @@ def test_expert_backward_settings_agree_under_expert_parallelism(exchange):
         # the block's backward rebuilds the local experts' rows with permute_rows; autodiff never calls it
         grad = jax.grad(lambda x: jnp.sum(path(x, routing, experts)[0]))
         assert ("turbo_moe_permute_rows" in jax.jit(grad).lower(x).as_text()) == (expert_backward == "block")
+    # the default is the block
+    default = ep_moe_path("turbo", mesh=make_mesh(2, 2), capacity_factor=CF, ep_exchange=exchange)
+    grad = jax.grad(lambda x: jnp.sum(default(x, routing, experts)[0]))
+    assert "turbo_moe_permute_rows" in jax.jit(grad).lower(x).as_text()
 
 
 @pytest.mark.parametrize("data,expert", MESHES)
@@ -383,11 +387,11 @@ def test_train_step_with_expert_parallel_matches_data_parallel():
 def test_policy_saves_what_the_dispatch_received(monkeypatch):
     """Under remat_policy "dots_experts_attention" the backward pass reads the rows, ids and weights deepep's
     dispatch delivered (saved) instead of running the dispatch's collectives again; the gradients are the same
-    as with the dispatch run again (TURBO_MOE_EP_SAVE_RECEIVED=0)."""
+    as with the dispatch run again (the received values left unnamed: `ep_exchange.saved` an identity)."""
     from flax import nnx
 
     from tests.model.conftest import micro_config
-    from turbo_moe.model import DeepSeekModel, lm_loss
+    from turbo_moe.model import DeepSeekModel, ep_exchange, lm_loss
     from turbo_moe.train.step import batch_sharding, make_mesh, state_shardings
 
     mesh = make_mesh(jax.devices()[:4], expert_parallel=2)
@@ -399,9 +403,7 @@ def test_policy_saves_what_the_dispatch_received(monkeypatch):
     sharded = jax.device_put((params, extra), state_shardings((params, extra), mesh))
     batch = jax.device_put(batch, batch_sharding(mesh))
 
-    def run(save: str):
-        monkeypatch.setenv("TURBO_MOE_EP_SAVE_RECEIVED", save)  # read while tracing: a new function each time
-
+    def run():
         def grads(params, extra, batch):
             return jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p, extra), batch)[0])(params)
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -410,45 +412,60 @@ def test_policy_saves_what_the_dispatch_received(monkeypatch):
                                        r"rematted_computation[^\n]*shard_map", compiled.as_text())
         return len(remat_collectives), compiled(*sharded, batch)
 
-    saved_count, saved_grads = run("1")
-    rebuilt_count, rebuilt_grads = run("0")
+    saved_count, saved_grads = run()  # the model as it runs
+    monkeypatch.setattr(ep_exchange, "saved", lambda value, name: value)
+    rebuilt_count, rebuilt_grads = run()
     assert rebuilt_count > 0, "the dispatch was not run again without the save: the test shows nothing"
     assert saved_count == 0, f"{saved_count} of the dispatch's collectives run again in the backward pass"
     assert_close(saved_grads, rebuilt_grads, "saved vs rebuilt dispatch", tolerance=dict(rtol=1e-6, atol=1e-7))
 
 
 @requires_turbo
-@pytest.mark.parametrize("layout, via", [("dense", "permute"), ("dense", "all_gather"), ("packed", "auto"),
-                                         ("ragged", "auto")])
+@pytest.mark.parametrize("layout", ["dense", "packed", "ragged"])
 @pytest.mark.parametrize("expert", [2, 4])
-def test_expert_block_kernels_leave_the_worst_case_tail_unread(layout, via, expert, monkeypatch):
-    """With the SwiGLU kernels (`swiglu_impl="kernel"`) the expert block lets its (P*T*k)-row buffers keep their rows
-    past the groups unwritten (`zero_tail=False`); the CPU handlers fill those rows with NaN. Under EP most of a
-    rank's rows are such tail, so any reader of them would show here as NaN against the one-device result."""
-    monkeypatch.setenv("TURBO_MOE_DEEPEP_LAYOUT", layout)
-    monkeypatch.setenv("TURBO_MOE_DEEPEP_DENSE_VIA", via)
+def test_expert_block_kernels_leave_the_worst_case_tail_unread(layout, expert):
+    """With the SwiGLU kernels (what GPUs run; `swiglu_impl="kernel"` here) the expert block lets its (P*T*k)-row
+    buffers keep their rows past the groups unwritten (`zero_tail=False`, always); the CPU handlers fill those rows
+    with NaN. Under EP most of a rank's rows are such tail, so any reader of them would show here as NaN against the
+    one-device result."""
     x, routing, experts = problem(seed=40 + expert)
     ref = loss_and_grads(moe_path_fn("turbo", CF, swiglu_impl="xla"), x, routing, experts)
     path = ep_moe_path("turbo", mesh=make_mesh(8 // expert, expert), capacity_factor=CF, ep_exchange="deepep",
-                       swiglu_impl="kernel")
-    lowered = jax.jit(lambda x: path(x, routing, experts)[0]).lower(x).as_text()
+                       ep_layout=layout, swiglu_impl="kernel")
+    lowered = jax.jit(jax.grad(lambda x: jnp.sum(path(x, routing, experts)[0]))).lower(x).as_text()
     assert "turbo_moe_grouped_gemm_swiglu" in lowered and "zero_tail = false" in lowered, "the kernels did not run"
+    assert "zero_tail = true" not in lowered, "a call of the block writes its tail"
     got = loss_and_grads(path, x, routing, experts)
     for name, a, e in zip(("loss", "y", "stats", "grads"), got, ref):
-        assert_close(a, e, f"turbo/deepep[{layout}/{via}] EP={expert} with the SwiGLU kernels: {name}")
+        assert_close(a, e, f"turbo/deepep[{layout}] EP={expert} with the SwiGLU kernels: {name}")
 
 
 @requires_turbo
-def test_expert_block_zero_tail_switch(monkeypatch):
-    """TURBO_MOE_EXPERT_BLOCK_ZERO_TAIL=1 (a benchmark switch, read while tracing) writes the zeros again: every FFI
-    call of the block then takes zero_tail=True, and the result is the same."""
-    x, routing, experts = problem(seed=3)
-    results, texts = [], []
-    for value in ("0", "1"):
-        monkeypatch.setenv("TURBO_MOE_EXPERT_BLOCK_ZERO_TAIL", value)
-        path = ep_moe_path("turbo", mesh=make_mesh(2, 4), capacity_factor=CF, ep_exchange="deepep",
-                           swiglu_impl="kernel")
-        texts.append(jax.jit(jax.grad(lambda x, path=path: jnp.sum(path(x, routing, experts)[0]))).lower(x).as_text())
-        results.append(loss_and_grads(path, x, routing, experts))
-    assert "zero_tail = false" in texts[0] and "zero_tail = false" not in texts[1]
-    assert_close(results[0], results[1], "zero tail switch")
+@pytest.mark.parametrize("layout", ["auto", "dense", "packed", "ragged"])
+def test_ep_layout_reaches_moe_dispatch(layout, monkeypatch):
+    """ModelConfig.ep_layout is the layout every deepep dispatch of the model asks moe_dispatch for (a recorded field,
+    no environment variable)."""
+    from flax import nnx
+
+    from tests.model.conftest import micro_config
+    from turbo_moe import ops
+    from turbo_moe.model import DeepSeekModel, lm_loss
+    from turbo_moe.train.step import batch_sharding, make_mesh, state_shardings
+
+    layouts = []
+    dispatch = ops.moe_dispatch
+
+    def recording(*args, layout, **kwargs):
+        layouts.append(layout)
+        return dispatch(*args, layout=layout, **kwargs)
+
+    monkeypatch.setattr(ops, "moe_dispatch", recording)
+    mesh = make_mesh(jax.devices()[:4], expert_parallel=2)
+    cfg = micro_config(moe_path="turbo", dtype="float32", ep_exchange="deepep", ep_layout=layout)
+    graphdef, params, extra = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    batch = {name: jnp.zeros((8, cfg.max_seq_len), jnp.int32) for name in ("inputs", "targets")}
+    args = (*jax.device_put((params, extra), state_shardings((params, extra), mesh)),
+            jax.device_put(batch, batch_sharding(mesh)))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        jax.jit(lambda p, e, b: lm_loss(nnx.merge(graphdef, p, e), b)[0]).lower(*args)
+    assert layouts == [layout] * cfg.n_router_layers  # the MoE layer and the MTP block

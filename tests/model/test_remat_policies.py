@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import micro_config, requires_turbo
+from conftest import micro_config, model_paths_with, requires_turbo
 from turbo_moe.model import DeepSeekModel, lm_loss
 
 
@@ -50,12 +50,14 @@ def test_policy_keeps_loss_and_grads(path):
 
 @requires_turbo
 @pytest.mark.parametrize("expert_backward, rebuilt", [("autodiff", 4), ("block", 2)])
-def test_policy_does_not_run_the_expert_gemms_again(expert_backward, rebuilt):
-    # forward + data gradient use the same FFI target (with ModelConfig.swiglu_impl="kernel" the block's gate/up
-    # forward is the fused one with SwiGLU; "auto" takes it on GPUs only); the weight gradient has its own
+def test_policy_does_not_run_the_expert_gemms_again(expert_backward, rebuilt, monkeypatch):
+    # the model runs the expert block; the ops' own VJPs ("autodiff") through the path's reference argument
+    if expert_backward == "autodiff":
+        model_paths_with(monkeypatch, expert_backward="autodiff")
+    # forward + data gradient use the same FFI target (with the SwiGLU kernels, on GPUs, the block's gate/up forward
+    # is the fused one with SwiGLU); the weight gradient has its own
     gemm_calls = lambda hlo: len(re.findall(r'custom_call_target="turbo_moe_grouped_gemm(_swiglu)?"', hlo))
-    counts = {policy: gemm_calls(compiled_hlo(micro_config(moe_path="turbo", remat_policy=policy,
-                                                           expert_backward=expert_backward)))
+    counts = {policy: gemm_calls(compiled_hlo(micro_config(moe_path="turbo", remat_policy=policy)))
               for policy in ("none", "dots_no_batch", "dots_experts_attention")}
     # Two MoE blocks (the MoE layer and the MTP block), two GEMMs each: 2 x 2 forward + 2 x 2 data gradient.
     assert counts["none"] == 8, counts

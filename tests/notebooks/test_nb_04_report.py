@@ -26,13 +26,13 @@ def test_report_command_draws_figures_and_passes_nbval(tmp_path, kernel, capsys)
     assert checked.returncode == 0, checked.stdout[-3000:]
 
 
-def test_bad_results_dir_stops_in_the_first_cells(tmp_path, kernel):
+def test_bad_store_dir_stops_in_the_first_cells(tmp_path, kernel):
     import papermill
     import pytest
 
     with pytest.raises(papermill.PapermillExecutionError) as err:
         papermill.execute_notebook(str(NOTEBOOKS / "04_report.ipynb"), str(tmp_path / "out.ipynb"),
-                                   parameters={"results_dir": str(tmp_path / "typo"), "figures_dir": str(tmp_path)},
+                                   parameters={"store_dir": str(tmp_path / "typo"), "figures_dir": str(tmp_path)},
                                    kernel_name=kernel, cwd=str(NOTEBOOKS), progress_bar=False)
-    assert err.value.ename == "ValueError" and "parameter results_dir" in err.value.evalue
+    assert err.value.ename == "ValueError" and "parameter store_dir" in err.value.evalue
     assert err.value.cell_index == 3  # markdown, parameters, injected parameters, then the check

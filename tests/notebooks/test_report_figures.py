@@ -18,14 +18,15 @@ FIXTURE = REPO / "tests" / "sweep" / "fixtures" / "results"
 
 
 def test_parameters_are_checked_before_drawing(tmp_path):
-    with pytest.raises(ValueError, match="parameter results_dir: '.*nope' is not a folder"):
+    with pytest.raises(ValueError, match="parameter store_dir: '.*nope' is not a folder"):
         report.check_parameters(tmp_path / "nope", tmp_path / "figures")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="parameter results_dir: .* holds no results tables"):
+    with pytest.raises(ValueError, match="parameter store_dir: .* holds no records"):
         report.check_parameters(tmp_path / "empty", tmp_path / "figures")
+    report.ingest_live_tables(FIXTURE, tmp_path / "store")
     with pytest.raises(ValueError, match="parameter figures_dir: the parent folder"):
-        report.check_parameters(FIXTURE, tmp_path / "missing" / "figures")
-    report.check_parameters(FIXTURE, tmp_path / "figures")
+        report.check_parameters(tmp_path / "store", tmp_path / "missing" / "figures")
+    report.check_parameters(tmp_path / "store", tmp_path / "figures")
     assert (tmp_path / "figures").is_dir()
 
 

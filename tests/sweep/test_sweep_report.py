@@ -17,8 +17,17 @@ EXPECTED = ["tgs_vs_batch", "peak_memory", "loss_curves", "dropped_fraction", "e
             "synthetic_vs_real", "expert_load_cpu_loss", "kernel_tflops_h100"]
 
 
+@pytest.fixture
+def fixture_store(tmp_path):
+    """The fixture results tree brought into a results store (as `turbo-moe report` does)."""
+    store_dir = tmp_path / "store"
+    report.ingest_live_tables(FIXTURE, store_dir)
+    return store_dir
+
+
 def test_report_draws_every_figure_from_fixture(tmp_path):
-    summary = report.build_report(FIXTURE, tmp_path)
+    summary = report.build_report(FIXTURE, tmp_path / "figures", store_dir=tmp_path / "store")
+    tmp_path = tmp_path / "figures"
     for name in EXPECTED:
         assert summary.entries[name] == f"{name}.png"  # relative to the figures folder
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
@@ -26,10 +35,11 @@ def test_report_draws_every_figure_from_fixture(tmp_path):
     assert table.count("\n") == 2 + 4 + 16 + 6  # header, separator, then one line per point
     assert "| paths_x_batch | dense_cf (cf=2) | 8 |  |  | oom |" in table
     assert json.loads((tmp_path / "report.json").read_text()) == summary.entries
+    assert "| cpu_loss | abc1234567 | 2026-11-21 |" in table  # every row says where it comes from
 
 
-def test_report_data_picks_comparison_sweeps_only():
-    data = report.load_report_data(FIXTURE)
+def test_report_data_picks_comparison_sweeps_only(fixture_store):
+    data = report.load_report_data(fixture_store)
     assert report.comparison_sweeps(data.results) == ["cpu_loss"]
     assert set(data.histories["label"]) == {"dense_cf (cf=1)", "dense_cf (cf=2)", "ragged", "turbo"}
     assert data.loads["cpu_loss"]["turbo"].shape == (2, 8)
@@ -38,7 +48,7 @@ def test_report_data_picks_comparison_sweeps_only():
 def test_missing_tables_skip_figures_with_a_note(tmp_path, capsys):
     results = tmp_path / "results"
     shutil.copytree(FIXTURE, results, ignore=shutil.ignore_patterns("kernels_*", "paths_x_batch.csv"))
-    summary = report.build_report(results, tmp_path / "figures")
+    summary = report.build_report(results, tmp_path / "figures", store_dir=tmp_path / "store")
     assert summary.entries["kernel_tflops"].startswith("skipped: no experiments/results/kernels_")
     assert summary.entries["tgs_vs_batch"].startswith("skipped: no sweep varies per_device_batch")
     assert (tmp_path / "figures" / "loss_curves.png").exists()
@@ -46,7 +56,7 @@ def test_missing_tables_skip_figures_with_a_note(tmp_path, capsys):
 
 
 def test_empty_results_dir_gives_notes_not_errors(tmp_path):
-    summary = report.build_report(tmp_path / "nothing_here", tmp_path / "figures")
+    summary = report.build_report(tmp_path / "nothing_here", tmp_path / "figures", store_dir=tmp_path / "store")
     skipped = [k for k, v in summary.entries.items() if v.startswith("skipped")]
     assert len(skipped) == 8
     assert "_no results yet_" in (tmp_path / "figures" / "results.md").read_text()
@@ -60,6 +70,7 @@ def test_cli_report_in_process(tmp_path, capsys):
 
 
 def test_cli_report_missing_notebook_is_clear(tmp_path, capsys):
+    shutil.copytree(FIXTURE, tmp_path / "results")
     assert cli.main(["report", "--experiments-dir", str(tmp_path), "--notebook", "nope.ipynb"]) == 2
     assert "report notebook 'nope.ipynb' does not exist" in capsys.readouterr().err
 
@@ -79,12 +90,13 @@ def test_minimal_table_without_provenance_still_draws(tmp_path):
         append_row(tmp_path / "results" / "mini.csv", {"sweep": "mini", "point": f"b{batch}", "status": status,
                                                        "moe_path": "ragged", "per_device_batch": batch,
                                                        "tgs": 100.0 * batch if status == "ok" else None})
-    summary = report.build_report(tmp_path / "results", tmp_path / "figures")
+    summary = report.build_report(tmp_path / "results", tmp_path / "figures")  # store: tmp_path / "store"
+    assert (tmp_path / "store" / "records" / "campaign=mini").is_dir()
     assert summary.entries["tgs_vs_batch"].endswith("tgs_vs_batch.png")
     assert "| mini | ragged | 4 | oom |" in (tmp_path / "figures" / "results.md").read_text()
 
 
-def test_routing_phases_average_the_first_and_last_steps_of_each_run():
+def test_routing_phases_average_the_first_and_last_steps_of_each_run(fixture_store):
     """The results table reports drop and load as at init and late in the run (balanced regime)."""
     import pandas as pd
 
@@ -96,7 +108,7 @@ def test_routing_phases_average_the_first_and_last_steps_of_each_run():
     a, b = phases.set_index("point").loc["a"], phases.set_index("point").loc["b"]
     assert (a["dropped_init"], a["dropped_late"], a["load_init"], a["load_late"]) == (0.5, 0.1, 4.0, 1.5)
     assert (b["dropped_init"], b["dropped_late"]) == (0.0, 0.0)
-    data = report.load_report_data(FIXTURE)
+    data = report.load_report_data(fixture_store)
     assert data.results.loc[data.results["sweep"] == "cpu_loss", "load_late"].notna().all()
     assert "load max/mean, last 25%" in report.results_markdown(data.results)
 

@@ -392,7 +392,7 @@ def ingest(results_dir: str | Path, store_dir: str | Path = store.DEFAULT_STORE,
 def _campaign_row(store_dir: Path, campaign: str, note: str) -> dict[str, Any]:
     known = store.read_campaigns(store_dir)
     row = known[known["campaign"] == campaign]
-    old = row.iloc[0].to_dict() if len(row) else {}
+    old = {k: v for k, v in row.iloc[0].to_dict().items() if isinstance(v, str)} if len(row) else {}
     return {"campaign": campaign, "title": old.get("title") or _title(note), "status": old.get("status") or "current",
             "superseded_by": old.get("superseded_by"), "note": note}
 
@@ -419,9 +419,10 @@ def mark_superseded(store_dir: str | Path, superseded: Mapping[str, tuple[str, s
     meta = store.read_campaigns(store_dir).set_index("campaign")
     for campaign, (by, why) in superseded.items():
         if campaign in known:
-            old = meta.loc[campaign] if campaign in meta.index else {}
+            old = {k: v for k, v in meta.loc[campaign].items() if isinstance(v, str)} if campaign in meta.index else {}
+            note = old.get("note") or ""
             rows.append({"campaign": campaign, "title": old.get("title"), "status": "superseded",
-                         "superseded_by": by or None, "note": why if not old.get("note") else f"{why}\n\n{old['note']}"})
+                         "superseded_by": by or None, "note": note if why in note else f"{why}\n\n{note}".strip()})
     store.write_campaigns(store_dir, rows)
 
 

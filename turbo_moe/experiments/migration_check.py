@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from turbo_moe.experiments import results, store
-from turbo_moe.experiments.migrate import _load_json, flatten_step, json_record
+from turbo_moe.experiments.migrate import _load_json, campaign_of, json_record
 
 
 def rebuild_table(store_dir: str | Path, campaign: str, source: str) -> pd.DataFrame:
@@ -149,6 +149,11 @@ def report_data_from_files(results_dir: str | Path):
             if record.get("expert_load"):
                 loads.setdefault(sweep, {})[row["path"]] = np.asarray(record["expert_load"], dtype=float)
     kernels = results.load_kernel_tables(results_dir)
+    # The campaign each row belongs to, as the store names it (the figures' footers and results.md say it).
+    if not frame.empty:
+        frame["campaign"] = [campaign_of(f"{s}.csv") for s in frame["sweep"]]
+    if not kernels.empty:
+        kernels["campaign"] = [campaign_of(f"{t}.csv") for t in kernels["table"]]
     histories = pd.concat(histories, ignore_index=True) if histories else pd.DataFrame()
     phases = report.routing_phases(histories)
     if not phases.empty:

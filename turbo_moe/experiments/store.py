@@ -248,12 +248,15 @@ def read_records(store: str | Path = DEFAULT_STORE, campaigns: Iterable[str] | N
 
 
 def expand_records(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` with its JSON columns parsed and their scalar fields as columns (nested values as JSON text)."""
+    """``frame`` with its JSON columns parsed and their fields as columns (nested values as JSON text)."""
     rows = []
     for _, row in frame.iterrows():
         flat = {}
-        for column in ("provenance", "summary", "config"):  # later ones win a clash
-            flat.update(_scalars(json.loads(row[column]) if isinstance(row[column], str) else {}))
+        for column in ("provenance", "summary", "extra", "config"):  # later ones win a clash
+            fields = json.loads(row[column]) if isinstance(row[column], str) else {}
+            if column == "extra":  # bookkeeping (_row, ...) and a sweep record's whole document stay out
+                fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "document"}
+            flat.update(_scalars(fields))
         base = {c: row[c] for c in frame.columns if c not in _JSON_COLUMNS}
         rows.append({**flat, **{k: v for k, v in base.items() if v is not None or k not in flat}})
     return pd.DataFrame(rows)

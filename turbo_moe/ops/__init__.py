@@ -1,6 +1,7 @@
 """FFI-backed MoE ops with custom VJPs (CPU handlers always; CUDA handlers when built).
 
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad;
+  ragged_dot_general: jax.lax.ragged_dot_general's ragged-M and ragged-contracting modes on those kernels;
   grouped_gemm_swiglu: the gate/up GEMM and SwiGLU of an expert FFN, both outputs from one call;
   swiglu_combine_grad: SwiGLU's backward, the combine weights' gradient and act * w in one pass (no VJP of its own).
 - permute / unpermute: single-device dispatch/combine, each other's transposes; permute_rows: a permute's
@@ -16,6 +17,7 @@ from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
+from turbo_moe.ops.ragged_dot_general import ragged_dot_general
 from turbo_moe.ops.swiglu_combine_grad import swiglu_combine_grad
 from turbo_moe.ops.permute import PermuteHandle, permute, permute_rows
 from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
@@ -28,6 +30,7 @@ __all__ = [
     "kernel_info",
     "grouped_gemm",
     "grouped_gemm_weight_grad",
+    "ragged_dot_general",
     "grouped_gemm_swiglu",
     "swiglu_combine_grad",
     "permute",

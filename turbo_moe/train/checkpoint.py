@@ -22,12 +22,14 @@ once per thread) are left out: the ``CheckpointError`` carries it once.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,6 +167,7 @@ class Checkpointer:
                     failed.append(True)
                     raise
         except Exception as exc:
+            self._failed_save = True
             left = self._remove_unfinished(step)
             raise CheckpointError(f"checkpoint save of step {step} in {self.directory} failed: {_reason(exc)}"
                                   + left) from exc
@@ -253,7 +256,9 @@ class Checkpointer:
             self.wait()
         finally:
             try:
-                self._manager.close()
+                with _orbax_noise_held_back() as failed:  # after a failed save, its late echoes
+                    failed.extend([True] if getattr(self, "_failed_save", False) else [])
+                    self._manager.close()
             finally:
                 self._release()
 
@@ -275,9 +280,10 @@ _NOISE_END = "RuntimeError: Event loop is closed"
 
 @contextlib.contextmanager
 def _orbax_noise_held_back() -> Iterator[list]:
-    """Hold back what is written to stderr (the file descriptor: tensorstore writes there from C) during a
-    save. Replayed unchanged after a save that worked; after one that failed (the caller appends to the
-    list it gets), replayed without orbax's repeats of the error (``_without_orbax_noise``)."""
+    """Hold back what is written to stderr during a save: both ``sys.stderr`` (Python prints there, also
+    in a Jupyter kernel) and file descriptor 2 (tensorstore writes there from C). Replayed unchanged after
+    a save that worked; after one that failed (the caller appends to the list it gets), once orbax's
+    threads have gone quiet, replayed without their repeats of the error (``_without_orbax_noise``)."""
     failed: list = []
     with contextlib.ExitStack() as stack:
         try:
@@ -285,25 +291,40 @@ def _orbax_noise_held_back() -> Iterator[list]:
             held = stack.enter_context(tempfile.TemporaryFile())
             saved = os.dup(2)
             os.dup2(held.fileno(), 2)
-        except (OSError, ValueError):  # no descriptor 2, or no space for the file: do not hold anything back
+        except (OSError, ValueError, AttributeError):  # no descriptor 2, or no space for the file
             yield failed
             return
+        real_stderr, text_held = sys.stderr, io.StringIO()
+        sys.stderr = text_held
         log_filter = _DropOrbaxNoise()
         logging.getLogger("absl").addFilter(log_filter)
         try:
             yield failed
         finally:
+            if failed:
+                _wait_until_quiet(held, text_held)
             logging.getLogger("absl").removeFilter(log_filter)
-            with contextlib.suppress(OSError, ValueError):
-                sys.stderr.flush()
+            sys.stderr = real_stderr
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)
-            text = held.read().decode(errors="replace")
+            text = text_held.getvalue() + held.read().decode(errors="replace")
             if text:
                 with contextlib.suppress(OSError, ValueError):
-                    sys.stderr.write(_without_orbax_noise(text) if failed else text)
-                    sys.stderr.flush()
+                    real_stderr.write(_without_orbax_noise(text) if failed else text)
+                    real_stderr.flush()
+
+
+def _wait_until_quiet(held, text_held: io.StringIO, quiet_s: float = 0.5, limit_s: float = 5.0) -> None:
+    """Orbax's other threads report a failed save a moment after it raised: wait until they stop."""
+    deadline, last, since = time.monotonic() + limit_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        size = (os.fstat(held.fileno()).st_size, len(text_held.getvalue()))
+        if size != last:
+            last, since = size, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.05)
 
 
 class _DropOrbaxNoise(logging.Filter):
