@@ -72,12 +72,21 @@ def _resolved(config: dict):
     return tc, tc.model_config()
 
 
-def _predicted_gib(tc, cfg) -> float:
+def _moment_dtype(tc, prov: dict, name: str):
+    """The dtype a run stored an AdamW moment in: its recorded (resolved) value, else its config's, where
+    "auto" (a field added later) means what runs before it did: the parameter dtype (None)."""
+    recorded = (prov.get("config") or {}).get(name)
+    value = recorded if recorded not in (None, "auto") else getattr(tc, name, None)
+    return None if value == "auto" else value
+
+
+def _predicted_gib(tc, cfg, prov: dict | None = None) -> float:
     from turbo_moe.experiments.accounting import memory_prediction
 
-    pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len or cfg.max_seq_len, adam_mu_dtype=tc.adam_mu_dtype,
-                             adam_nu_dtype=tc.adam_nu_dtype,
-                             cast_params_in_update=tc.cast_params_in_update)
+    prov = prov or {}
+    pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len or cfg.max_seq_len,
+                             adam_mu_dtype=_moment_dtype(tc, prov, "adam_mu_dtype"),
+                             adam_nu_dtype=_moment_dtype(tc, prov, "adam_nu_dtype"))
     return sum(pred.values()) / GIB
 
 
@@ -104,7 +113,7 @@ def row(record: dict, source: Path) -> dict:
     skip = int(config.get("skip_steps_for_tgs", 3))
     load, regime = _regime(record.get("history") or [], skip)
     measured = summary.get("compiled_total_bytes")
-    predicted = _predicted_gib(tc, cfg)
+    predicted = _predicted_gib(tc, cfg, prov)
     return {
         "run": f"{source.parent.name}/{source.stem}", "moe_path": merged.get("moe_path"), "model": config.get("model"),
         **{k: merged.get(k) for k in SWITCHES}, "switches_not_recorded": " ".join(not_recorded),

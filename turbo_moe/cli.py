@@ -6,7 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from turbo_moe.experiments.spec import DEFAULT_KERNEL
+try:  # sweep/report need the [notebooks] extra (they say so when run); train/launch only the [train] extra
+    from turbo_moe.experiments.spec import DEFAULT_KERNEL
+except ImportError:
+    DEFAULT_KERNEL = None
 
 
 def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
@@ -143,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_report_parser(sub)
     _add_train_parsers(sub)
     args = parser.parse_args(argv)
-    from turbo_moe.experiments.lock import SweepBusy
+    expected: tuple[type[Exception], ...] = (ValueError, OSError)
+    if args.command in ("sweep", "report"):
+        from turbo_moe.experiments.lock import SweepBusy
 
+        expected += (SweepBusy,)
     try:
         return {"sweep": cmd_sweep, "report": cmd_report, "train": cmd_train, "launch": cmd_launch}[args.command](args)
     # A bad spec or argument, a busy table, a full disk or unwritable folder: one clear line, no traceback.
-    except (ValueError, SweepBusy, OSError) as exc:
+    except expected as exc:
         print(f"turbo-moe {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

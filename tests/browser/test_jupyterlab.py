@@ -1,4 +1,5 @@
-"""02_train as a user meets it: JupyterLab in a real headless Chromium, Run All, read the page.
+"""02_train and 03_full_deepseek as a user meets them: JupyterLab in a real headless Chromium, Run All, read the
+page, save, and read the saved notebook's text outputs.
 
 Needs Chromium and its driver (Debian: ``apt-get install chromium chromium-driver``; ``.ci/run`` installs
 them) and selenium (the ``dev`` extra); skipped with the reason where they are missing. The parameters
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -34,8 +36,8 @@ selenium = pytest.importorskip("selenium", reason="browser test: selenium is not
 
 TINY = """model = "tiny"
 model_overrides = {}
-moe_path = "dense_cf"
-capacity_factor = 1.0
+moe_path = "auto"
+capacity_factor = None
 per_device_batch = 2
 seq_len = 32
 steps = 3
@@ -49,7 +51,31 @@ train_overrides = {"skip_steps_for_tgs": 1}
 output_dir = "records"
 result_json = None
 run_name = None"""
+# 03's Part 2 as a CPU user gets it (no model_overrides: the planner's shrunk slice), made short.
+SLICE = """mesh_data = 32
+mesh_expert = 8
+mesh_tensor = 1
+mesh_pipeline = 1
+fsdp = True
+accounting_batch = 1
+accounting_seq_len = 4096
+capacity_factor = 1.25
+n_layers = 2
+n_dense_layers = 1
+n_experts = None
+model_overrides = {}
+max_step_tflop = None
+paths = ["turbo"]
+per_device_batch = 1
+seq_len = 64
+steps = 3
+dataset = "synthetic"
+train_overrides = {"skip_steps_for_tgs": 1}
+results_dir = "slice_results"
+table = "full_deepseek"""
 TOKEN = "turbo-moe-browser-test"
+# What a saved notebook must never show as text: an object's default repr (e.g. a pandas Styler's).
+OBJECT_REPR = re.compile(r"<[\w.]+ (?:object )?at 0x[0-9a-fA-F]+>")
 
 
 def _free_port() -> int:
@@ -60,9 +86,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on a copy of 02_train, with a `turbo-moe` kernel running this interpreter."""
+    """A JupyterLab server on copies of 02_train and 03_full_deepseek, with a `turbo-moe` kernel running this
+    interpreter."""
     root = tmp_path_factory.mktemp("lab")
-    shutil.copy(REPO / "notebooks" / "02_train.ipynb", root / "02_train.ipynb")
+    for name in ("02_train.ipynb", "03_full_deepseek.ipynb"):
+        shutil.copy(REPO / "notebooks" / name, root / name)
     jupyter = tmp_path_factory.mktemp("jupyter")
     kernel_dir = jupyter / "data" / "kernels" / "turbo-moe"
     kernel_dir.mkdir(parents=True)
@@ -167,29 +195,64 @@ def _run_all(driver, parameters: str) -> str:
     return driver.execute_script(_PANEL + "return nb.content.node.innerText;")
 
 
-def test_02_train_in_jupyterlab(lab, browser):
-    url, root = lab
-    browser.get(f"{url}/lab/tree/02_train.ipynb?token={TOKEN}")
-    _wait(browser, _PANEL + "return !!(nb && nb.content && nb.content.model && nb.sessionContext"
-                   " && nb.sessionContext.session && nb.sessionContext.session.kernel"
-                   " && nb.sessionContext.session.kernel.status === 'idle');", 120, "the notebook and its kernel")
+def _open(driver, url: str, name: str) -> None:
+    driver.get(f"{url}/lab/tree/{name}?token={TOKEN}")
+    _wait(driver, _PANEL + "return !!(nb && nb.content && nb.content.model && nb.sessionContext"
+                  " && nb.sessionContext.session && nb.sessionContext.session.kernel"
+                  " && nb.sessionContext.session.kernel.status === 'idle');", 120, f"{name} and its kernel")
     time.sleep(1)
     # Opening alone must not modify the notebook (its language_info matches what the kernel reports).
-    assert browser.execute_script(_PANEL + "return nb.context.model.dirty;") is False
+    assert driver.execute_script(_PANEL + "return nb.context.model.dirty;") is False
+
+
+def _save(driver, path: Path) -> str:
+    driver.execute_script("return window.jupyterapp.commands.execute('docmanager:save');")
+    time.sleep(2)
+    return path.read_text()
+
+
+def _object_reprs(saved: str) -> list[str]:
+    """Default object reprs in the saved notebook's text outputs (text/plain and streams)."""
+    found = []
+    for cell in json.loads(saved)["cells"]:
+        for out in cell.get("outputs", []):
+            texts = [out.get("text", "")] + [out.get("data", {}).get("text/plain", "")]
+            found += [m for t in texts for m in OBJECT_REPR.findall("".join(t) if isinstance(t, list) else t)]
+    return found
+
+
+def test_02_train_in_jupyterlab(lab, browser):
+    url, root = lab
+    _open(browser, url, "02_train.ipynb")
     text = _run_all(browser, TINY)
+    # moe_path "auto" is the fast path: turbo (its CPU kernels are always built).
     # Phases as they happened, the final status and the one-line summary, the human table, a figure.
-    assert "train dense_cf: finished 3/3 steps" in text, text[-3000:]
+    assert "train turbo: finished 3/3 steps" in text, text[-3000:]
     assert "compiling the train step" in text and "initialising parameters" in text
-    assert "train dense_cf: ok | 3 steps in" in text and "peak memory" in text
+    assert "train turbo: ok | 3 steps in" in text and "peak memory" in text
     assert "TGS (tokens/device/s)" in text and "Error displaying widget" not in text
+    assert "mean over all steps" in text and "last of 3 steps: max/mean" not in text  # the title is in the image
     images = browser.execute_script(_PANEL + "return nb.content.node.querySelectorAll('.jp-OutputArea img').length;")
     assert images >= 2  # run plot and expert-load heatmap
-    # Saved, the record stays: the status and summary are plain outputs in the file.
-    browser.execute_script("return window.jupyterapp.commands.execute('docmanager:save');")
-    time.sleep(2)
-    saved = (root / "02_train.ipynb").read_text()
-    assert "train dense_cf: ok | 3 steps in" in saved and "widget-view+json" not in saved
+    # Saved, the record stays: the status and summary are plain outputs in the file, all of it human text.
+    saved = _save(browser, root / "02_train.ipynb")
+    assert "train turbo: ok | 3 steps in" in saved and "widget-view+json" not in saved
+    assert _object_reprs(saved) == []
 
-    bad = _run_all(browser, TINY.replace('moe_path = "dense_cf"', 'moe_path = "bogus"'))
+    bad = _run_all(browser, TINY.replace('moe_path = "auto"', 'moe_path = "bogus"'))
     assert "parameter moe_path: unknown path 'bogus'" in bad, bad[-3000:]
     assert "finished 3/3 steps" not in bad  # stopped before training
+
+
+def test_03_shrunk_slice_in_jupyterlab(lab, browser):
+    url, root = lab
+    _open(browser, url, "03_full_deepseek.ipynb")
+    text = _run_all(browser, SLICE)
+    assert "671.03" in text and "SHRUNK slice (not DeepSeek-V3's widths)" in text, text[-3000:]
+    assert "train turbo: ok | 3 steps in" in text, text[-3000:]
+    assert "turbo: train loss" in text and "peak RSS" not in text  # the figure's axis, not text
+    images = browser.execute_script(_PANEL + "return nb.content.node.querySelectorAll('.jp-OutputArea img').length;")
+    assert images >= 3  # Part 1's memory bars, Part 2's TGS/memory and its loss curves
+    saved = _save(browser, root / "03_full_deepseek.ipynb")
+    assert "SHRUNK slice" in saved and _object_reprs(saved) == []
+    assert (root / "slice_results" / "full_deepseek.csv").is_file()

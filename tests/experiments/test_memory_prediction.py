@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from turbo_moe.experiments import accounting
-from turbo_moe.model.accounting import stacked_cast_params
 from turbo_moe.model import get_config
+
+UNCHUNKED = dict(loss_chunk_tokens=0, logits_dtype="float32")  # the loss over whole-batch float32 logits
 
 
 def _total(cfg, batch, seq=2048):
@@ -23,7 +24,7 @@ def test_remat_policies_order_saved_values():
 
 
 def test_activations_scale_with_batch_states_do_not():
-    cfg = get_config("reduced", moe_path="turbo")
+    cfg = get_config("reduced", moe_path="turbo", **UNCHUNKED)
     two, eight = (accounting.memory_prediction(cfg, b, 2048) for b in (2, 8))
     assert two["states"] == eight["states"]
     for term in ("saved layers", "live layer", "logits"):
@@ -45,7 +46,7 @@ def test_unknown_path_is_refused():
 
 
 def test_issue14_switches_move_their_terms():
-    cfg = get_config("reduced", moe_path="turbo")
+    cfg = get_config("reduced", moe_path="turbo", **UNCHUNKED)
     base = accounting.memory_prediction(cfg, 8, 2048)
     # bf16 first moment: 2 bytes less per parameter, only in the states
     bf16_mu = accounting.memory_prediction(cfg, 8, 2048, adam_mu_dtype="bfloat16")
@@ -72,6 +73,7 @@ def test_issue14_switches_move_their_terms():
     # bf16 logits (ModelConfig.logits_dtype): the chunk's logits as the head GEMM writes them, 2 B instead of 4
     bf16_logits = accounting.memory_prediction(cfg.replace(loss_chunk_tokens=4096, logits_dtype="bfloat16"), 8, 2048)
     assert chunked["logits"] - bf16_logits["logits"] == pytest.approx(4096 * v * 2)
+    assert accounting.memory_prediction(get_config("reduced", moe_path="turbo"), 8, 2048) == bf16_logits  # the preset
 
 
 def test_states_follow_the_param_dtype_as_optax_keeps_them():
@@ -88,35 +90,28 @@ def test_states_follow_the_param_dtype_as_optax_keeps_them():
 
 
 def test_expert_block_keeps_less_than_autodiff_by_its_residuals():
-    """expert_backward="block" keeps per copy only the gate/up output, plus the tokens: the permuted rows (d), SwiGLU
-    output (F) and down output (d) of every copy less; on any mesh (under EP it wraps each rank's experts)."""
-    def saved(expert_backward, mesh=None):
-        cfg = get_config("reduced", moe_path="turbo", remat_policy="dots_experts_attention",
-                         expert_backward=expert_backward)
+    """The expert block (the paths with the permute exchange: turbo, pallas) keeps per copy only the gate/up output,
+    plus the tokens: the permuted rows (d), SwiGLU output (F) and down output (d) of every copy less than the ops' own
+    VJPs keep (ragged, through ragged_dot); on any mesh (under EP it wraps each rank's experts)."""
+    def saved(path, mesh=None):
+        cfg = get_config("reduced", moe_path=path, remat_policy="dots_experts_attention", dtype="bfloat16")
         return cfg, accounting.memory_prediction(cfg, 8, 2048, mesh)["saved layers"]
 
-    cfg, autodiff = saved("autodiff")
-    _, block = saved("block")
+    cfg, autodiff = saved("ragged")
+    _, block = saved("turbo")
+    assert saved("pallas")[1] == block
     per_token = cfg.top_k * (2 * cfg.d_model + cfg.moe_ffn_dim) - cfg.d_model  # bf16 values a token no longer keeps
     moe_blocks = cfg.n_layers - cfg.n_dense_layers + cfg.mtp_depth
     assert autodiff - block == pytest.approx(moe_blocks * 8 * 2048 * per_token * 2)
     for mesh in (accounting.MeshShape(expert=2), accounting.MeshShape(data=2)):
-        assert saved("block", mesh)[1] == block and saved("autodiff", mesh)[1] == autodiff
+        assert saved("turbo", mesh)[1] == block and saved("ragged", mesh)[1] == autodiff
 
 
-def test_cast_params_in_update_adds_the_stacked_weights_compute_copy():
-    """cast_params_in_update keeps a bf16 copy of the stacked weights in the state: 2 B each, laid out like the
-    params (on two H200s, calls 106-107, the train step's arguments were 21.65 GB with it against 17.67 GB with
-    master_weights="split", which keeps none: 2 B x 1.99e9)."""
+def test_split_master_weights_need_no_term_and_auto_is_refused():
+    """master_weights="split" stores each stacked float32 master as bf16 + 16 low bits: the states' 4 bytes, no term of
+    its own. The moments' dtypes are the resolved TrainConfig fields: "auto" means nothing until resolved."""
     cfg = get_config("reduced", moe_path="turbo")
-    base = accounting.memory_prediction(cfg, 8, 2048)
-    cast = accounting.memory_prediction(cfg, 8, 2048, cast_params_in_update=True)
-    stacked = stacked_cast_params(cfg)
-    assert cast["compute copy"] == pytest.approx(2 * (stacked["routed experts"] + stacked["other"]))
-    assert 1.98e9 < stacked["routed experts"] + stacked["other"] < 2.0e9  # the measured 3.98 GB / 2 B
-    assert {k: cast[k] for k in base} == base  # nothing else moves
-    mesh = accounting.MeshShape(data=2, expert=4)  # sharded like the params: FSDP over all 8 devices
-    sharded = accounting.memory_prediction(cfg, 8, 2048, mesh, cast_params_in_update=True)["compute copy"]
-    assert sharded == pytest.approx(cast["compute copy"] / 8)
-    # a model computing in its parameter dtype keeps no copy
-    assert stacked_cast_params(cfg.replace(param_dtype="bfloat16")) == {"routed experts": 0, "other": 0}
+    assert set(accounting.memory_prediction(cfg, 8, 2048)) == {"states", "saved layers", "live layer", "logits"}
+    for name in ("adam_mu_dtype", "adam_nu_dtype"):
+        with pytest.raises(ValueError, match=f"{name} must be None, 'bfloat16' or 'float32' .*TrainConfig.resolved"):
+            accounting.memory_prediction(cfg, 8, 2048, **{name: "auto"})

@@ -1,5 +1,6 @@
-"""attention_impl="cudnn_unpadded" on the GPU: cuDNN with v at its own width gives the padded call's output and
-gradients (to bf16 rounding), at `reduced`'s MLA head dims. Skipped without a CUDA device:
+"""attention_impl="cudnn_unpadded" (and "auto", the default, which is it on the GPU): cuDNN with v at its own width
+gives the padded call's output and gradients (to bf16 rounding), at `reduced`'s MLA head dims. Skipped without a
+CUDA device:
     JAX_PLATFORMS=cuda,cpu python -m pytest tests/gpu/test_attention_unpadded_gpu.py -q
 """
 import numpy as np
@@ -20,9 +21,11 @@ def test_unpadded_equals_padded_with_gradients():
     v = jax.device_put(jnp.asarray(rng.standard_normal((2, 512, 4, 64)), jnp.bfloat16), GPU)
     g = jax.device_put(jnp.asarray(rng.standard_normal((2, 512, 4, 64)), jnp.bfloat16), GPU)
     results = {}
-    for impl in ("cudnn", "cudnn_unpadded"):
+    for impl in ("cudnn", "cudnn_unpadded", "auto"):
         out, vjp = jax.vjp(lambda *a: causal_attention(*a, impl), q, k, v)
         results[impl] = [np.asarray(t, np.float32) for t in (out, *vjp(g))]
     for a, b in zip(results["cudnn_unpadded"], results["cudnn"]):
         assert a.shape == b.shape
         assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max(), np.abs(a - b).max()
+    for a, b in zip(results["auto"], results["cudnn_unpadded"]):
+        np.testing.assert_array_equal(a, b)

@@ -149,7 +149,8 @@ def _case(path, scan_layers, remat="none"):
 def test_loss_and_grads_bit_identical(path, scan_layers, remat, monkeypatch):
     cfg = _config(moe_path=path, scan_layers=scan_layers, remat_policy=remat)
     cast_loss, cast_metrics, cast_grads = _loss_and_grads(cfg)  # the model as it runs
-    monkeypatch.setattr(stack, "cast_stacked_weights", lambda blocks, state, dtype: state)  # each slice cast in the scan
+    # the reference: each layer's slice cast inside the scan
+    monkeypatch.setattr(stack, "cast_stacked_weights", lambda blocks, state, dtype: state)
     loss, metrics, grads = _loss_and_grads(cfg)
     np.testing.assert_array_equal(cast_loss, loss)
     np.testing.assert_array_equal(cast_metrics["expert_load"], metrics["expert_load"])

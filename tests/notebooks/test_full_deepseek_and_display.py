@@ -55,6 +55,33 @@ def test_interactive_rows_stay_out_of_the_committed_results(tmp_path):
     assert "not comparable" in full_deepseek.memory_note("cpu")
 
 
+def _slice_rows():
+    history = [{"step": i, "loss": 7.0 - 0.2 * i, "ce_loss": 6.9 - 0.2 * i} for i in range(4)]
+    return [{"path": p, "status": "ok", "tgs": 1000.0 + i, "measured_bytes": 2.5 * 2**30, "memory_source": "rss",
+             "predicted_bytes": 0.04 * 2**30, "error": None, "first_loss": 7.0, "final_loss": 6.4,
+             "history": history} for i, p in enumerate(("dense_cf", "turbo"))]
+
+
+def test_cpu_memory_panel_draws_no_prediction_beside_the_rss():
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    matplotlib.use("Agg")
+    plan = full_deepseek.plan_slice(n_layers=2, n_dense_layers=1, n_experts=None, model_overrides={},
+                                    memory_bytes=8 * 2**30, memory_source="test", per_device_batch=1, seq_len=64,
+                                    capacity_factor=1.25, max_step_tflop=0.01)
+    for platform, bars in (("cpu", 2), ("gpu", 4)):  # bars on the memory axes: measured (+ predicted on a GPU)
+        fig = full_deepseek.plot_paths(_slice_rows(), plan, platform)
+        ax_mem = fig.axes[1]
+        assert len([p for p in ax_mem.patches if p.get_height() > 0]) == bars
+        assert ("RSS" in ax_mem.get_ylabel()) == (platform == "cpu")
+        plt.close(fig)
+    fig = full_deepseek.plot_losses({r["path"]: r["history"] for r in _slice_rows()}, plan)
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["dense_cf", "turbo"]
+    assert full_deepseek.plot_losses({"turbo": []}, plan) is None
+    plt.close(fig)
+
+
 def test_run_summary_is_human():
     summary = {"steps_done": 20, "phase_seconds": {"setup": 0.6, "compilation": 33.8, "training": 6.3, "done": 0.0},
                "tgs": 3093.4, "tgs_steps": 15, "mfu": math.nan, "peak_memory_bytes": 1433915392,

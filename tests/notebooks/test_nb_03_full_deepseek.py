@@ -13,7 +13,7 @@ SHRUNK = {"d_model": 64, "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "q
           "qk_rope_head_dim": 8, "v_head_dim": 16, "dense_ffn_dim": 64, "moe_ffn_dim": 32, "vocab_size": 256,
           "remat_policy": "none"}  # no remat needed at this size (and faster to compile)
 TINY = dict(n_layers=2, n_dense_layers=1, n_experts=16, model_overrides=SHRUNK, paths=["ragged"],
-            per_device_batch=2, seq_len=32, steps=3, train_overrides={"skip_steps_for_tgs": 1})
+            per_device_batch=2, seq_len=32, steps=3, dataset="synthetic", train_overrides={"skip_steps_for_tgs": 1})
 
 
 def test_accounting_and_slice_run(tmp_path, kernel):
@@ -26,6 +26,7 @@ def test_accounting_and_slice_run(tmp_path, kernel):
     assert "671.03" in text  # total (main) parameters, billions, of the exact config
     assert "what the exact widths need" in text and "slice with your model_overrides" in text
     assert "error None" not in text and "not comparable" in text
+    assert "ragged: train loss" in text and "at the first step ->" in text
 
 
 def test_bad_path_stops_in_first_cells(tmp_path, kernel):

@@ -30,13 +30,9 @@ def test_paths_differ_where_they_should():
     cfg = get_config("small", capacity_factor=1.25, dtype="bfloat16")  # pallas computes in bfloat16
     table = accounting.full_model_table(cfg, accounting.MeshShape(), per_device_batch=4, seq_len=128)
     assert table.loc["ragged", "executed GFLOP/token"] == table.loc["ragged", "useful GFLOP/token"]
-    # the expert block (turbo and pallas by default) keeps less for the backward than ragged's autodiff; with each op's
-    # own VJP the dropless paths keep the same
-    autodiff = accounting.full_model_table(cfg.replace(expert_backward="autodiff"), accounting.MeshShape(),
-                                           per_device_batch=4, seq_len=128)
+    # the expert block (turbo and pallas: the permute exchange) keeps less for the backward than ragged's autodiff
     for dropless in ("turbo", "pallas"):
         assert table.loc[dropless, "total GiB/device"] < table.loc["ragged", "total GiB/device"]
-        assert autodiff.loc[dropless, "total GiB/device"] == autodiff.loc["ragged", "total GiB/device"]
         assert table.loc[dropless, "executed GFLOP/token"] == table.loc["ragged", "executed GFLOP/token"]
     assert table.loc["dense_cf", "executed GFLOP/token"] > table.loc["dense_cf", "useful GFLOP/token"]
     assert table.loc["dense_cf", "MoE layer working set GiB"] > table.loc["ragged", "MoE layer working set GiB"]

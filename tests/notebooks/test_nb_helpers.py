@@ -22,6 +22,20 @@ def test_train_config_routes_path_and_capacity_into_model():
     assert table.loc["tokens per device per step", "value"] == "64"
 
 
+def test_auto_path_is_the_fast_dropless_path_of_the_device():
+    import jax
+
+    from turbo_moe import ops
+
+    loaded = ops.ensure_registered()
+    expected = "turbo" if {"cpu": "cpu", "gpu": "CUDA"}.get(jax.default_backend()) in loaded else "ragged"
+    assert nb.fastest_dropless_path() == expected
+    if jax.default_backend() == "cpu":  # the CPU library is always built: turbo
+        assert expected == "turbo"
+    tc = nb.train_config(**{**BASE, "moe_path": "auto"})
+    assert tc.model_config().moe_path == expected and nb.describe(tc).loc["moe_path", "value"] == expected
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [({"moe_path": "turbo2"}, "parameter moe_path: unknown path 'turbo2'"),

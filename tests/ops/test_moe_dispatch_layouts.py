@@ -182,13 +182,17 @@ def test_split_updates_cover_each_block_once(n_chunks):
         assert (s[p] >= 0).all()
 
 
-@pytest.mark.parametrize("chunks", ["1", "3", ""])
+@pytest.mark.parametrize("chunks", [1, 3, None])
 def test_ragged_exchange_is_the_same_for_any_chunking(monkeypatch, chunks):
     """The slot plan of the ragged layout through the emulated collective, chunked 1, 3 or the default
-    ways: every real row lands in its slot, the rest stay zero; the backward is the reverse."""
+    (`chunks_per_peer`) ways: every real row lands in its slot, the rest stay zero; the backward is the reverse."""
+    from turbo_moe.ops import ragged_exchange as ragged_exchange_module
     from turbo_moe.ops.moe_dispatch import slot_plan
 
-    monkeypatch.setenv("TURBO_MOE_RAGGED_CHUNKS", chunks)
+    assert ragged_exchange_module.chunks_per_peer(4) == ragged_exchange_module.UPDATES_IN_FLIGHT // 4
+    assert ragged_exchange_module.chunks_per_peer(4 * ragged_exchange_module.UPDATES_IN_FLIGHT) == 1
+    if chunks is not None:
+        monkeypatch.setattr(ragged_exchange_module, "chunks_per_peer", lambda n_ranks: chunks)
     ranks, C = 4, 6
     counts = jnp.asarray(np.random.default_rng(0).integers(0, C + 1, (ranks, ranks)), jnp.int32)  # (src, dst)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(ranks * ranks * C, 3)), jnp.float32)

@@ -63,8 +63,12 @@ def test_old_kernel_tables_load_with_schema_columns(tmp_path):
 
 
 def test_committed_kernel_tables_load():
-    table = results.load_kernel_tables(REPO / "experiments" / "results")
-    assert not table.empty and table["device_kind"].notna().all() and table["git_commit"].notna().all()
+    """The committed kernel benchmark records (results store), old spellings of provenance included."""
+    from turbo_moe.experiments import report
+
+    table = report.load_report_data(REPO / "experiments" / "store", ["kernels_h100_80gb_hbm3", "kernels_h200"]).kernels
+    assert set(table["campaign"]) == {"kernels_h100_80gb_hbm3", "kernels_h200"}
+    assert table["device_kind"].notna().all() and table["git_commit"].notna().all()
 
 
 def test_one_status_list():

@@ -25,11 +25,14 @@ def test_bad_value_names_the_field(value):
         TrainConfig(adam_mu_dtype=value)
 
 
-def test_round_trip_and_default_unchanged():
+def test_round_trip_and_default():
     tc = TrainConfig(adam_mu_dtype="bfloat16")
     assert TrainConfig.from_dict(tc.to_dict()) == tc
-    assert TrainConfig().adam_mu_dtype is None
-    assert make_optimizer(TrainConfig()) is make_optimizer(TrainConfig(adam_mu_dtype=None))  # cache still hits
+    # "auto": bfloat16 on GPUs (the update is memory-bound), the parameters' dtype on the CPU
+    assert TrainConfig().adam_mu_dtype == "auto"
+    assert TrainConfig().resolved("gpu").adam_mu_dtype == "bfloat16"
+    assert TrainConfig().resolved("cpu").adam_mu_dtype is None
+    assert make_optimizer(TrainConfig()) is make_optimizer(TrainConfig(adam_mu_dtype=None))  # on the CPU: one optimizer
     assert make_optimizer(tc) is not make_optimizer(TrainConfig())
     with pytest.raises(ValueError, match="adam_mu_dtype='bfloat16' in the checkpoint, None now"):
         check_resume_config({"adam_mu_dtype": "bfloat16"}, {"adam_mu_dtype": None})

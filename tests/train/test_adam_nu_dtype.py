@@ -53,8 +53,11 @@ def _updates(tc: TrainConfig, params, grads) -> tuple[list, list]:
     return updates_seen, states
 
 
-# warm-up 0 so the first update moves the parameters; no clipping so the gradients are the ones given
+# warm-up 0 so the first update moves the parameters; no clipping so the gradients are the ones given. make_optimizer
+# resolves "auto" for the device (tests/train runs on the CPU): the moments left "auto" are float32, the reference.
 HAND = dict(warmup_steps=0, steps=50, learning_rate=1e-2, grad_clip=0.0)
+# A bf16 nu stored by rounding to nearest (DeepSeek-V3's description; "auto" rounding for a bf16 nu is stochastic)
+NEAREST_BF16_NU = dict(adam_nu_dtype="bfloat16", adam_nu_rounding="nearest")
 
 
 @pytest.mark.parametrize("value", ["float16", "bf16", 16, jnp.bfloat16])
@@ -67,27 +70,33 @@ def test_bad_value_names_the_field(value):
 def test_bf16_nu_refuses_b2_too_close_to_one(b2):
     with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_dtype: 'bfloat16' needs adam_b2 <= 1 - 2\*\*-8 "
                                          r"\(~0\.9961\), got adam_b2=.*8 significant bits.*stops shrinking"):
-        TrainConfig(adam_nu_dtype="bfloat16", adam_b2=b2)
+        TrainConfig(**NEAREST_BF16_NU, adam_b2=b2)
+    # an "auto" nu is bfloat16 on GPUs: a config is valid on every device, so the limit holds for it too
+    with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_dtype: 'bfloat16' needs adam_b2 <= 1 - 2\*\*-8"):
+        TrainConfig(adam_nu_rounding="nearest", adam_b2=b2)
 
 
-def test_b2_limit_applies_only_to_bf16_nu():
-    assert TrainConfig(adam_b2=0.999).adam_nu_dtype is None
+def test_b2_limit_applies_only_to_nearest_rounded_bf16_nu():
+    tc = TrainConfig(adam_b2=0.999)  # "auto" nu and rounding: bfloat16 stochastically rounded on GPUs, no limit
+    assert (tc.adam_nu_dtype, tc.adam_nu_rounding) == ("auto", "auto")
+    assert (tc.resolved("gpu").adam_nu_dtype, tc.resolved("gpu").adam_nu_rounding) == ("bfloat16", "stochastic")
+    assert TrainConfig(adam_b2=0.999, adam_nu_dtype="bfloat16").resolved("cpu").adam_nu_rounding == "stochastic"
     assert TrainConfig(adam_b2=0.999, adam_nu_dtype="float32").adam_b2 == 0.999
-    assert TrainConfig(adam_b2=1 - 2**-8, adam_nu_dtype="bfloat16").adam_nu_dtype == "bfloat16"  # the limit itself
-    assert TrainConfig(adam_nu_dtype="bfloat16").adam_b2 == 0.95  # the default b2 (DeepSeek-V3's) is fine
+    assert TrainConfig(adam_b2=1 - 2**-8, **NEAREST_BF16_NU).adam_nu_dtype == "bfloat16"  # the limit itself
+    assert TrainConfig(**NEAREST_BF16_NU).adam_b2 == 0.95  # the default b2 (DeepSeek-V3's) is fine
 
 
 def test_round_trip_cache_and_resume_check():
     tc = TrainConfig(adam_nu_dtype="bfloat16")
     assert TrainConfig.from_dict(tc.to_dict()) == tc
-    assert TrainConfig().adam_nu_dtype is None
-    assert make_optimizer(TrainConfig()) is make_optimizer(TrainConfig(adam_nu_dtype=None))  # cache still hits
+    assert TrainConfig().adam_nu_dtype == "auto" and TrainConfig().resolved("cpu").adam_nu_dtype is None
+    assert make_optimizer(TrainConfig()) is make_optimizer(TrainConfig(adam_nu_dtype=None))  # on the CPU: one optimizer
     assert make_optimizer(tc) is make_optimizer(TrainConfig(adam_nu_dtype="bfloat16"))
     assert make_optimizer(tc) is not make_optimizer(TrainConfig())
     with pytest.raises(ValueError, match="adam_nu_dtype='bfloat16' in the checkpoint, None now"):
         check_resume_config({"adam_nu_dtype": "bfloat16"}, {"adam_nu_dtype": None})
     with pytest.raises(ValueError, match="adam_nu_dtype=None in the checkpoint, 'float32' now"):
-        check_resume_config(TrainConfig().to_dict(), TrainConfig(adam_nu_dtype="float32").to_dict())
+        check_resume_config(TrainConfig().resolved("cpu").to_dict(), TrainConfig(adam_nu_dtype="float32").to_dict())
     check_resume_config(tc.to_dict(), tc.to_dict())
 
 
@@ -112,7 +121,7 @@ def test_first_update_is_the_float32_one_and_the_next_within_nu_rounding():
     params, grads = _hand_params_and_grads(2)
     hand = {**HAND, "weight_decay": 0.0}  # the Adam term alone: decay could cancel part of it and inflate ratios
     ref, ref_states = _updates(TrainConfig(**hand), params, grads)
-    low, low_states = _updates(TrainConfig(adam_nu_dtype="bfloat16", **hand), params, grads)
+    low, low_states = _updates(TrainConfig(**NEAREST_BF16_NU, **hand), params, grads)
     for a, b in zip(jax.tree.leaves(ref[0]), jax.tree.leaves(low[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the stored second moment is (1 - b2) g^2 rounded to bf16
@@ -129,7 +138,7 @@ def test_updates_track_float32_over_many_steps():
     params, grads = _hand_params_and_grads(30)
     hand = {**HAND, "weight_decay": 0.0}  # the Adam term alone, so element-wise ratios are meaningful
     ref, _ = _updates(TrainConfig(adam_mu_dtype="bfloat16", **hand), params, grads)
-    low, _ = _updates(TrainConfig(adam_mu_dtype="bfloat16", adam_nu_dtype="bfloat16", **hand), params, grads)
+    low, _ = _updates(TrainConfig(adam_mu_dtype="bfloat16", **NEAREST_BF16_NU, **hand), params, grads)
     rel = np.concatenate([np.abs(np.asarray(b / a - 1)).ravel()
                           for r, l in zip(ref, low) for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(l))])
     # each stored nu is rounded within 2^-8 and the errors decay at b2: measured median ~0.1%, p99 ~0.5%, max ~1%
@@ -137,7 +146,7 @@ def test_updates_track_float32_over_many_steps():
         (np.median(rel), np.percentile(rel, 99), rel.max())
     # with weight decay, every step's update in norm (measured: within ~0.2%)
     ref, _ = _updates(TrainConfig(**HAND), params, grads)
-    low, _ = _updates(TrainConfig(adam_nu_dtype="bfloat16", **HAND), params, grads)
+    low, _ = _updates(TrainConfig(**NEAREST_BF16_NU, **HAND), params, grads)
     for r, l in zip(ref, low):
         diff = optax.tree.norm(jax.tree.map(jnp.subtract, r, l))
         assert float(diff) < 0.005 * float(optax.tree.norm(r))
@@ -147,7 +156,7 @@ def test_bf16_nu_decays_with_b2_095_and_would_freeze_at_0999():
     params = {"w": jnp.zeros((4, 8)), "b": jnp.zeros((8,))}
     big = jax.tree.map(lambda p: jnp.full_like(p, 100.0), params)
     zero = jax.tree.map(jnp.zeros_like, params)
-    tx = make_optimizer(TrainConfig(adam_nu_dtype="bfloat16", adam_b2=0.95, **HAND))
+    tx = make_optimizer(TrainConfig(**NEAREST_BF16_NU, adam_b2=0.95, **HAND))
     state = tx.init(params)
     _, state = tx.update(big, state, params)
     first = float(_adam_state(state).nu["w"][0, 0])
@@ -215,21 +224,28 @@ def test_stochastic_nu_tracks_float32_where_nearest_runs_low():
     params = {"w": jnp.zeros((64, 64))}
     grads = [{"w": jnp.full((64, 64), 10.0)}] + [{"w": jnp.full((64, 64), 1.2)}] * 150
     final = {}
-    for name, kwargs in {"float32": {}, "nearest": dict(adam_nu_dtype="bfloat16"),
-                         "stochastic": dict(adam_nu_dtype="bfloat16", adam_nu_rounding="stochastic")}.items():
+    for name, kwargs in {"float32": {}, "nearest": NEAREST_BF16_NU,
+                         "stochastic": dict(adam_nu_dtype="bfloat16", adam_nu_rounding="stochastic"),
+                         "auto": dict(adam_nu_dtype="bfloat16")}.items():
         _, states = _updates(TrainConfig(**{**HAND, "steps": 200}, adam_b2=0.99, **kwargs), params, grads)
         final[name] = np.asarray(_adam_state(states[-1]).nu["w"], np.float32)
     ref = float(final["float32"].mean())
     assert abs(final["nearest"].mean() - ref) > 0.05 * ref, (final["nearest"].mean(), ref)  # stuck
     assert final["stochastic"].mean() == pytest.approx(ref, rel=0.01)  # unbiased
     assert final["stochastic"].std() > 0  # each element rounded on its own
+    np.testing.assert_array_equal(final["auto"], final["stochastic"])  # "auto" rounds a bf16 nu stochastically
 
 
 def test_stochastic_rounding_validation_and_b2():
     with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_rounding: got 'up'; expected one of"):
         TrainConfig(adam_nu_dtype="bfloat16", adam_nu_rounding="up")
-    with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_rounding: 'stochastic' rounds a bfloat16 nu"):
-        TrainConfig(adam_nu_rounding="stochastic")
+    for nu in (None, "float32"):
+        with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_rounding: 'stochastic' rounds a bfloat16 nu"):
+            TrainConfig(adam_nu_dtype=nu, adam_nu_rounding="stochastic")
+    # with an "auto" nu it applies where nu is bfloat16 (GPUs); on the CPU there is nothing to round
+    auto = TrainConfig(adam_nu_rounding="stochastic")
+    assert auto.resolved("gpu").adam_nu_rounding == "stochastic"
+    assert (auto.resolved("cpu").adam_nu_dtype, auto.resolved("cpu").adam_nu_rounding) == (None, "nearest")
     tc = TrainConfig(adam_nu_dtype="bfloat16", adam_nu_rounding="stochastic", adam_b2=0.999)  # it does not freeze
     assert TrainConfig.from_dict(tc.to_dict()) == tc
     with pytest.raises(ValueError, match="stochastic rounding stores a bfloat16 nu"):

@@ -1,17 +1,22 @@
-"""TrainConfig validation, metric formulas, OOM parsing, RunResult persistence (no compilation)."""
+"""TrainConfig validation, removed fields, "auto" resolved per platform, what the device chose, metric formulas, OOM
+parsing, RunResult persistence (no compilation)."""
 
+import dataclasses
 import math
+import re
 
 import pytest
 
 from turbo_moe.model import get_config
 from turbo_moe.train import RunResult, TrainConfig, learning_rate_schedule, peak_flops
 from turbo_moe.train import metrics as M
+from turbo_moe.train.config import REMOVED_FIELDS
+from turbo_moe.train.step import device_choices
 
 
 def test_config_roundtrip_and_resolution():
-    tc = TrainConfig(model="tiny", model_overrides={"moe_path": "dense_cf", "num_experts": 8}, steps=5,
-                     warmup_steps=1, remat_policy="full")
+    tc = TrainConfig(model="tiny", model_overrides={"moe_path": "dense_cf", "num_experts": 8, "remat_policy": "full"},
+                     steps=5, warmup_steps=1)
     again = TrainConfig.from_dict(tc.to_dict())
     assert again == tc
     cfg = tc.model_config()
@@ -42,6 +47,77 @@ def test_bad_configs_fail_clearly(kwargs, match):
 def test_unknown_field_in_dict():
     with pytest.raises(ValueError, match="unknown TrainConfig field"):
         TrainConfig.from_dict({"stepz": 3})
+
+
+def test_top_level_remat_policy_is_the_models():
+    """MaxText's top-level remat_policy: `from_dict` moves it into model_overrides (over one given there); the
+    constructor has no such field, and None means the model's own."""
+    tc = TrainConfig.from_dict({"model": "tiny", "remat_policy": "full",
+                                "model_overrides": {"moe_path": "dense_cf", "remat_policy": "dots"}})
+    assert tc.model_overrides == {"moe_path": "dense_cf", "remat_policy": "full"}
+    assert tc.model_config().remat_policy == "full" and "remat_policy" not in tc.to_dict()
+    assert TrainConfig.from_dict(tc.to_dict()) == tc
+    assert TrainConfig.from_dict({"model": "tiny", "remat_policy": None}) == TrainConfig(model="tiny")
+    with pytest.raises(ValueError, match="ModelConfig.remat_policy"):
+        TrainConfig.from_dict({"model": "tiny", "remat_policy": "everything"})
+    with pytest.raises(TypeError, match="remat_policy"):
+        TrainConfig(model="tiny", remat_policy="full")
+
+
+@pytest.mark.parametrize("name", sorted(REMOVED_FIELDS))
+def test_removed_field_accepted_at_its_kept_value_only(name):
+    """Old records and specs name fields that measured A/Bs removed: at the kept behaviour they load (and change
+    nothing), any other value is refused with the reason, naming the field."""
+    kept, why = REMOVED_FIELDS[name]
+    base = {"model": "tiny", "steps": 5, "warmup_steps": 1}
+    assert TrainConfig.from_dict({**base, name: kept}) == TrainConfig.from_dict(base)
+    assert name not in TrainConfig.from_dict(base).to_dict()
+    with pytest.raises(ValueError, match=re.escape(f"TrainConfig field {name!r} was removed ({why})")):
+        TrainConfig.from_dict({**base, name: not kept})
+    with pytest.raises(TypeError, match=name):
+        TrainConfig(**{name: kept})
+
+
+def test_removed_model_fields_in_a_train_config():
+    """A run spec's model part takes the same rule (ModelConfig.from_dict), as overrides or as a whole model dict."""
+    model = {**get_config("tiny").to_dict(), "cast_params_before_scan": True, "expert_backward": "block"}
+    assert TrainConfig.from_dict({"model": model}).model_config() == get_config("tiny")
+    assert TrainConfig(model="tiny", model_overrides={"embedding_grad": "segment"}).model_config() == get_config("tiny")
+    with pytest.raises(ValueError, match="ModelConfig field 'expert_backward' was removed"):
+        TrainConfig(model="tiny", model_overrides={"expert_backward": "autodiff"})
+
+
+AUTO_FIELDS = ("master_weights", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding")
+
+
+def test_auto_fields_resolve_per_platform():
+    tc = TrainConfig(model="tiny", steps=5, warmup_steps=1)
+    assert tuple(getattr(tc, f) for f in AUTO_FIELDS) == ("auto",) * 4
+    cpu, gpu = tc.resolved("cpu"), tc.resolved("gpu")
+    assert tuple(getattr(cpu, f) for f in AUTO_FIELDS) == ("float32", None, None, "nearest")
+    assert tuple(getattr(gpu, f) for f in AUTO_FIELDS) == ("split", "bfloat16", "bfloat16", "stochastic")
+    for resolved in (cpu, gpu):
+        assert dataclasses.replace(resolved, **{f: "auto" for f in AUTO_FIELDS}) == tc  # nothing else changes
+        assert resolved.resolved("gpu") == resolved.resolved("cpu") == resolved  # nothing left to resolve
+    assert tc.resolved() == cpu  # JAX's backend: the CPU here
+    # explicit choices stay; split masters need a bf16 model with float32 params
+    explicit = tc.replace(master_weights="float32", adam_mu_dtype="float32", adam_nu_dtype=None)
+    assert explicit.resolved("gpu") == explicit.replace(adam_nu_rounding="nearest")
+    assert tc.replace(model_overrides={"dtype": "float32"}).resolved("gpu").master_weights == "float32"
+    assert tc.replace(adam_nu_dtype="bfloat16").resolved("cpu").adam_nu_rounding == "stochastic"
+
+
+def test_device_choices_say_what_the_defaults_run():
+    """A run records these (provenance["device_choices"]): the device-dependent choices that no field names."""
+    cpu = {"platform": "cpu", "attention": "xla", "swiglu_kernels": False, "router_topk_kernel": False,
+           "scan_outputs_uninitialized": False}
+    assert device_choices(get_config("tiny"), "cpu") == cpu == device_choices(get_config("tiny"))
+    gpu = device_choices(get_config("tiny"), "gpu")
+    assert gpu["platform"] == "gpu" and gpu["attention"] in ("cudnn_unpadded", "cudnn")  # cudnn: JAX without the entry
+    assert gpu["swiglu_kernels"] and gpu["router_topk_kernel"]
+    assert not device_choices(get_config("tiny", moe_path="ragged"), "gpu")["swiglu_kernels"]  # turbo's GEMM only
+    assert device_choices(get_config("tiny", dtype="float32"), "gpu")["attention"] == "xla"  # cuDNN: bf16/f16 only
+    assert device_choices(get_config("tiny", attention_impl="cudnn"), "gpu")["attention"] == "cudnn"
 
 
 def test_schedule_warms_up_then_decays():

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from turbo_moe.model import get_config
 from turbo_moe.train import RunResult, TrainConfig, run
 from turbo_moe.train.loop import _Trainer
 
@@ -31,9 +32,10 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base(corpus, tmp_path_factory):
-    """The shared config: tiny (ragged), 1 x 32 tokens per device per step (tests/conftest.py gives 8
+    """The shared config: tiny on the ragged path, 1 x 32 tokens per device per step (tests/conftest.py gives 8
     CPU devices, so this is data parallel), 30-step schedule."""
-    return TrainConfig(model="tiny", dataset=str(corpus), data_dir=str(tmp_path_factory.mktemp("data")),
+    return TrainConfig(model=get_config("tiny", moe_path="ragged"), dataset=str(corpus),
+                       data_dir=str(tmp_path_factory.mktemp("data")),
                        per_device_batch=1, seq_len=32, steps=30, lr_schedule_steps=30, warmup_steps=3,
                        learning_rate=3e-3, eval_every=10, eval_batches=2, progress=False, seed=0)
 
@@ -67,6 +69,11 @@ def test_loss_falls_and_metrics_are_reported(long_run):
     p = r.provenance
     assert p["device_kind"] and p["device_count"] == jax.device_count() and p["jax_version"] == jax.__version__
     assert p["config"]["steps"] == 30 and "git_commit" in p and p["date"]
+    # the config as run (every "auto" as the CPU resolves it) and the choices the device made
+    assert [p["config"][f] for f in ("master_weights", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding")] == [
+        "float32", None, None, "nearest"]
+    assert p["device_choices"] == {"platform": "cpu", "attention": "xla", "swiglu_kernels": False,
+                                   "router_topk_kernel": False, "scan_outputs_uninitialized": False}
     json.dumps(r.to_dict())  # JSON-serialisable as is
 
 
@@ -92,8 +99,9 @@ def test_same_seed_same_losses_and_resume_is_exact(base, long_run, tmp_path, cap
 
 
 def test_dense_cf_with_remat_on_synthetic_data_reports_drops(base):
-    overrides = {"moe_path": "dense_cf", "capacity_factor": 1.0, "n_layers": 2, "mtp_depth": 0}  # fast compile
-    tc = base.replace(dataset="synthetic", model_overrides=overrides, remat_policy="full",
+    overrides = {"moe_path": "dense_cf", "capacity_factor": 1.0, "n_layers": 2, "mtp_depth": 0,  # fast compile
+                 "remat_policy": "full"}
+    tc = base.replace(dataset="synthetic", model_overrides=overrides,
                       steps=4, lr_schedule_steps=None, warmup_steps=1, eval_every=0, skip_steps_for_tgs=1)
     r = run(tc)
     assert r.status == "ok", r.error

@@ -1,7 +1,9 @@
-"""TrainConfig.master_weights="split": the stacked layers' float32 master weights kept as their bf16 compute copy
-(rounded half up) + the 16 low bits. split/join are exact; a step equals cast_params_in_update's bit for bit wherever
-no master weight sits on an exact tie (the only place the two bf16 copies differ); a resumed run continues exactly;
-checkpoints and settings of the other layout are refused by name."""
+"""TrainConfig.master_weights="split" (what "auto" means on GPUs): the stacked layers' float32 master weights kept as
+their bf16 compute copy (rounded half up) + the 16 low bits. split/join are exact; a step equals float32 masters' bit
+for bit wherever no master weight sits on an exact tie (the only place the two bf16 copies differ; the reference is
+`build_program(..., cast_params_in_update=True)`, float32 masters with their nearest-even bf16 copy kept in the state,
+whose steps equal plain float32 masters' bit for bit); a resumed run continues exactly; checkpoints and settings of
+the other layout are refused by name."""
 
 import math
 
@@ -18,7 +20,7 @@ from turbo_moe.train.checkpoint import Checkpointer, check_resume_config
 from turbo_moe.train.split_master import join, split, split_params
 from turbo_moe.train.step import TrainState, build_program, make_mesh, make_optimizer
 
-MICRO = {"n_layers": 2, "mtp_depth": 0, "cast_params_before_scan": True}  # fast compiles, as test_cast_params_in_update
+MICRO = {"n_layers": 2, "mtp_depth": 0}  # fast compiles
 QUIET = 0x00400000  # float32's quiet-nan bit
 _round_trip = jax.jit(lambda x: (*split(x), join(*split(x))))
 
@@ -124,7 +126,38 @@ def test_master_low_is_laid_out_as_its_params(fsdp):
     assert split_state.compute is None and cast_state.master_low is None
 
 
-# ------------------------------------------------------------------ steps against cast_params_in_update
+# ------------------------------------------------------------------ the reference: float32 masters + their bf16 copy
+
+def _reference_steps(cast_in_update: bool, n: int = 3):
+    cfg = get_config("tiny", **MICRO)
+    program = build_program(cfg, _tx(), make_mesh(jax.devices()[:1]), True, None, False, cast_in_update)
+    state = program.init(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (n, 2, 17), 0, cfg.vocab_size)
+    losses = []
+    for i in range(n):
+        state, metrics = program.train(state, {"inputs": tokens[i, :, :-1], "targets": tokens[i, :, 1:]})
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def test_the_reference_steps_equal_float32_masters_and_its_copy_is_their_cast():
+    """`build_program(..., cast_params_in_update=True)` keeps the stacked weights' bf16 cast in the state, written by
+    each update: the same steps as plain float32 masters bit for bit, so the split tests below compare against it."""
+    ref_state, ref_losses = _reference_steps(False)
+    state, losses = _reference_steps(True)
+    assert losses == ref_losses  # bit-identical
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_array_equal(a, b)
+    copy = nnx.to_flat_state(state.compute)
+    assert ref_state.compute is None and len(copy) >= 4  # every stacked Linear kernel and both expert weights
+    params = dict(nnx.to_flat_state(state.params))
+    for path, var in copy:
+        assert var[...].dtype == jnp.bfloat16 and params[path][...].dtype == jnp.float32, path
+        np.testing.assert_array_equal(var[...], params[path][...].astype(jnp.bfloat16), err_msg=str(path))
+    assert not any("router" in "/".join(map(str, p)) or "norm" in "/".join(map(str, p)) for p, _ in copy)
+
+
+# ------------------------------------------------------------------ steps against float32 masters
 
 def _base(**changes) -> TrainConfig:
     return TrainConfig(model="tiny", model_overrides=MICRO, dataset="synthetic", per_device_batch=1, seq_len=16,
@@ -133,7 +166,8 @@ def _base(**changes) -> TrainConfig:
 
 
 def _programs():
-    """run()'s programs for `_base()` (8 CPU devices, FSDP) with split masters and with cast_params_in_update."""
+    """run()'s programs for `_base()` (8 CPU devices, FSDP) with split masters and the reference (float32 masters with
+    their bf16 copy in the state)."""
     tc = _base()
     cfg, mesh = tc.model_config(), make_mesh()
     return (cfg, build_program(cfg, make_optimizer(tc), mesh, True, None, False, True),
@@ -148,7 +182,7 @@ _CONVERTERS = {}  # id(split program) -> (program, jitted converter): compiled o
 
 
 def _as_split(state: TrainState, program) -> TrainState:
-    """A cast_params_in_update state in the split layout, laid out as `program`'s state."""
+    """A reference state in the split layout, laid out as `program`'s state."""
     if id(program) not in _CONVERTERS:
         paths = frozenset(_flat(program.abstract_state.master_low))
 
@@ -180,9 +214,9 @@ def _batch(cfg, key):
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")  # refresh_compute's pass-through params
-def test_steps_equal_cast_params_in_update_away_from_ties():
-    """From one state, a split step and a cast_params_in_update step give the same losses, metrics, master weights and
-    moments bit for bit (8 devices, FSDP): their forwards read the same bf16 weights except where a master sits on an
+def test_steps_equal_float32_masters_away_from_ties():
+    """From one state, a split step and a float32-master step (the reference) give the same losses, metrics, master
+    weights and moments bit for bit (8 devices, FSDP): their forwards read the same bf16 weights except where a master sits on an
     exact tie (low bits 0x8000: split rounds up, the cast to nearest-even), so ties are moved one bit off first."""
     cfg, cast_p, split_p = _programs()
     state = cast_p.init(jax.random.key(0))
@@ -274,31 +308,31 @@ def test_resume_continues_exactly_and_other_layouts_are_refused(tmp_path):
     check_resume_config({"seed": 0}, plain.to_dict())
 
 
-def test_run_matches_cast_params_in_update_up_to_ties():
-    """run() with split masters against cast_params_in_update (8 devices, FSDP): the state holds 2 bytes a stacked
-    weight fewer, and the losses are equal until a master lands on an exact tie (one in 65536 a weight a step, ~1.6 a
-    step here), which the forwards read one bf16 ulp apart; later steps carry that on. Seen over 6 steps, seeds 0-3:
-    at most 6.3e-6 relative here, 3.1e-5 on one device; so rel 2e-4. A wrong join, split or gradient cast moves every
-    weight (the exact per-step test above catches anything smaller)."""
+def test_run_matches_float32_masters_up_to_ties():
+    """run() with split masters against float32 masters (8 devices, FSDP): the state holds as many bytes (bf16 hi + 16
+    low bits for each float32 master), and the losses are equal until a master lands on an exact tie (one in 65536 a
+    weight a step, ~1.6 a step here), which the forwards read one bf16 ulp apart; later steps carry that on. Seen over
+    6 steps, seeds 0-3: at most 6.3e-6 relative here, 3.1e-5 on one device; so rel 2e-4. A wrong join, split or
+    gradient cast moves every weight (the exact per-step test above catches anything smaller)."""
     split_run = run(_base(eval_batches=0))
-    cast_run = run(_base(eval_batches=0, master_weights="float32", cast_params_in_update=True))
-    assert split_run.status == cast_run.status == "ok", (split_run.error, cast_run.error)
-    assert split_run.losses() == pytest.approx(cast_run.losses(), rel=2e-4)
-    copy = _flat(_programs()[1].abstract_state.compute)  # the bf16 copy cast_params_in_update keeps besides float32
-    per_device = sum(2 * math.prod(x.sharding.shard_shape(x.shape)) for x in copy.values())
-    args = [r.summary["compiled_memory"]["argument_size_in_bytes"] for r in (cast_run, split_run)]
-    assert args[0] - args[1] == per_device > 0
+    plain_run = run(_base(eval_batches=0, master_weights="float32"))
+    assert split_run.status == plain_run.status == "ok", (split_run.error, plain_run.error)
+    assert split_run.losses() == pytest.approx(plain_run.losses(), rel=2e-4)
+    assert (split_run.provenance["config"]["master_weights"],
+            plain_run.provenance["config"]["master_weights"]) == ("split", "float32")
+    low = _flat(_programs()[2].abstract_state.master_low)
+    assert sum(2 * math.prod(x.sharding.shard_shape(x.shape)) for x in low.values()) > 0
+    args = [r.summary["compiled_memory"]["argument_size_in_bytes"] for r in (plain_run, split_run)]
+    assert args[0] == args[1]
 
 
 # ------------------------------------------------------------------ settings
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(master_weights="bf16"), r"TrainConfig.master_weights: got 'bf16'; expected one of \('float32', 'split'\)"),
+    (dict(master_weights="bf16"),
+     r"TrainConfig.master_weights: got 'bf16'; expected one of \('auto', 'float32', 'split'\)"),
     (dict(master_weights=None), "TrainConfig.master_weights: got None"),
     (dict(master_weights=True), "TrainConfig.master_weights: got True"),
-    (dict(master_weights="split", cast_params_in_update=True),
-     "TrainConfig.master_weights: 'split' already keeps the bf16 compute copy in the state: set "
-     "cast_params_in_update=False"),
     (dict(master_weights="split", model_overrides={"dtype": "float32"}),
      "TrainConfig.master_weights: 'split' .* needs the model's dtype 'bfloat16' and param_dtype 'float32', got "
      "'float32' and 'float32'"),
@@ -313,7 +347,12 @@ def test_bad_settings_are_named(changes, message):
 
 def test_good_settings_round_trip():
     tc = TrainConfig(model="tiny", master_weights="split")
-    assert TrainConfig.from_dict(tc.to_dict()) == tc and TrainConfig().master_weights == "float32"
+    assert TrainConfig.from_dict(tc.to_dict()) == tc and TrainConfig().master_weights == "auto"
+    # "auto": split where the GPU runs a bf16 model with float32 params, float32 masters otherwise
+    assert TrainConfig(model="tiny").resolved("gpu").master_weights == "split"
+    assert TrainConfig(model="tiny").resolved("cpu").master_weights == "float32"
+    assert TrainConfig(model="tiny", model_overrides={"dtype": "float32"}).resolved("gpu").master_weights == "float32"
+    assert tc.resolved("cpu").master_weights == "split"  # an explicit choice stays
 
 
 def test_build_program_refuses_bad_combinations():

@@ -10,9 +10,9 @@ The estimates are analytic and state their assumptions:
 - Activations for ``per_device_batch`` sequences, at the start of the backward pass: every layer's saved
   values under its remat policy (``saved_values_per_token``), one layer's working set, and the float32
   logits of the output heads (one chunk's with ``loss_chunk_tokens``). Layers are split over ``pipeline``;
-  a layer's values over ``tensor``. ``cast_params_in_update``'s copy of the stacked weights is a term of its own
-  (``compute_copy_bytes_per_device``). ``cast_params_before_scan`` is not modelled: XLA:CPU and the GPU
-  move the peak in opposite directions (experiments/NOTES.md, issue 14 part 2).
+  a layer's values over ``tensor``. The stacked weights' cast to the compute dtype before the layer scan is not
+  modelled: XLA:CPU and the GPU move the peak in opposite directions (experiments/NOTES.md, issue 14 part 2).
+  ``master_weights="split"`` keeps each stacked float32 master as a bf16 copy + 16 low bits: the same 4 bytes.
 - The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
   one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included); the
   dropless paths (``paths.DROPLESS_PATHS``: ragged, turbo, pallas) hold the B S k sorted token copies only.
@@ -27,12 +27,13 @@ import dataclasses
 import pandas as pd
 
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
-from turbo_moe.model.accounting import stacked_cast_params
 from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS, expert_capacity
 from turbo_moe.train.config import ADAM_MU_DTYPES
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The moments' storage dtypes a run executes: the TrainConfig fields' values less "auto" (None: param_dtype).
+RESOLVED_MOMENT_DTYPES = tuple(d for d in ADAM_MU_DTYPES if d != "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +117,12 @@ def _per_device(routed: float, other: float, mesh: MeshShape) -> float:
 def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str | None = None,
                            adam_nu_dtype: str | None = None) -> float:
     """AdamW training states per device: params + grads (in param_dtype) + the first and second moments
-    (``adam_mu_dtype`` / ``adam_nu_dtype``, as the TrainConfig fields; None: param_dtype, as optax keeps them)."""
+    (``adam_mu_dtype`` / ``adam_nu_dtype``, as the TrainConfig fields resolved for a device,
+    ``TrainConfig.resolved``; None: param_dtype, as optax keeps them)."""
     for name, dtype in (("adam_mu_dtype", adam_mu_dtype), ("adam_nu_dtype", adam_nu_dtype)):
-        if dtype not in ADAM_MU_DTYPES:  # the TrainConfig fields' values (the same for both moments)
-            raise ValueError(f"{name} must be None, 'bfloat16' or 'float32', got {dtype!r}")
+        if dtype not in RESOLVED_MOMENT_DTYPES:
+            raise ValueError(f"{name} must be None, 'bfloat16' or 'float32' (resolve 'auto' with "
+                             f"TrainConfig.resolved(platform)), got {dtype!r}")
     per_param = (2 * _BYTES[cfg.param_dtype] + _BYTES[adam_mu_dtype or cfg.param_dtype]
                  + _BYTES[adam_nu_dtype or cfg.param_dtype])
     budget = param_budget(cfg)
@@ -151,11 +154,12 @@ def attention_working_set_bytes(cfg: ModelConfig, per_device_batch: int, seq_len
     return tensors + scores
 
 
-def _expert_block(cfg: ModelConfig, path: str) -> bool:
-    """The path runs `model/expert_block.py`'s one VJP (the permute exchange; under EP around each rank's experts)."""
+def _expert_block(path: str) -> bool:
+    """The path runs `model/expert_block.py`'s one VJP: every path with the permute exchange (turbo, pallas; under EP
+    around each rank's experts)."""
     from turbo_moe.model.paths import ONE_DEVICE, path_row
 
-    return cfg.expert_backward == "block" and path_row(path, ONE_DEVICE).exchange == "permute"
+    return path_row(path, ONE_DEVICE).exchange == "permute"
 
 
 def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
@@ -166,7 +170,8 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
     output projection, the float32 router gate, the shared expert or dense FFN). Grouped GEMMs (FFI
     calls, `ragged_dot`) and cuDNN attention are not dots: they are recomputed. "dots_experts_attention":
     "dots_no_batch" plus the routed experts' rows, gate/up, SwiGLU and down outputs (per copy or capacity slot;
-    with the expert block, ``expert_backward="block"``, only the gate/up outputs and the block's input tokens),
+    with the expert block, on the paths with the permute exchange, only the gate/up outputs and the block's input
+    tokens),
     the routing's int32 picks and row index, and cuDNN attention's inputs, output and float32 softmax statistics.
     "none": the whole working set of the block (attention + FFN), at least the widest policy's set, stays.
     """
@@ -196,7 +201,7 @@ def saved_values_per_token(cfg: ModelConfig, path: str, moe: bool) -> float:
         if moe:
             # per copy (dense_cf: per capacity slot, cf x top_k per token, unrounded)
             rows = cfg.top_k * (cfg.capacity_factor if _capacity_slots(cfg, path) else 1.0)
-            if _expert_block(cfg, path):
+            if _expert_block(path):
                 ffn += rows * 2 * cfg.moe_ffn_dim + d  # gate/up out per copy, the tokens once
             else:
                 ffn += rows * (2 * d + 3 * cfg.moe_ffn_dim)  # rows in, gate/up out, SwiGLU out, down out
@@ -235,24 +240,16 @@ def activation_bytes_per_device(
     return {"saved layers": saved, "live layer": moe + attn, "logits": logits}
 
 
-def compute_copy_bytes_per_device(cfg: ModelConfig, mesh: MeshShape) -> float:
-    """``TrainConfig.cast_params_in_update``'s compute-dtype copy of the stacked weights, kept in the train state.
-    (``master_weights="split"`` keeps none: its bf16 copy and 16 low bits take the float32 master's 4 bytes.)"""
-    stacked = stacked_cast_params(cfg)
-    return _BYTES[cfg.dtype] * _per_device(stacked["routed experts"], stacked["other"], mesh)
-
-
 def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
                       mesh: MeshShape | None = None, adam_mu_dtype: str | None = None,
-                      adam_nu_dtype: str | None = None, cast_params_in_update: bool = False) -> dict[str, float]:
+                      adam_nu_dtype: str | None = None) -> dict[str, float]:
     """Predicted peak bytes per device of one training step of ``cfg`` (its own ``moe_path``): AdamW
-    states (parameters, gradients, two moments; ``adam_mu_dtype`` / ``adam_nu_dtype`` as the TrainConfig fields;
-    with ``cast_params_in_update`` the stacked weights' compute copy too) plus the activations above. Checked
-    against XLA's buffer assignment by ``benchmarks/memory_check.py`` (experiments/NOTES.md, issue 12)."""
+    states (parameters, gradients, two moments; ``adam_mu_dtype`` / ``adam_nu_dtype`` as the resolved TrainConfig
+    fields) plus the activations above. Checked against XLA's buffer assignment by ``benchmarks/memory_check.py``
+    (experiments/NOTES.md, issue 12)."""
     mesh = mesh or MeshShape()
     _check_path(cfg.moe_path)
-    copy = {"compute copy": compute_copy_bytes_per_device(cfg, mesh)} if cast_params_in_update else {}
-    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype, adam_nu_dtype), **copy,
+    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype, adam_nu_dtype),
             **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len)}
 
 

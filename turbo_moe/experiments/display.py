@@ -67,7 +67,7 @@ def run_summary(status: str, error: str | None, summary: Mapping[str, Any]) -> p
     elif finite(s.get("dropped_fraction_mean")):
         rows["dropped token copies"] = f"{100 * s['dropped_fraction_mean']:.1f} % (mean over steps)"
     if finite(s.get("load_max_over_mean_mean")):
-        rows["expert load max / mean"] = f"{s['load_max_over_mean_mean']:.2f} (1 = balanced)"
+        rows["expert load max / mean"] = f"{s['load_max_over_mean_mean']:.2f} (mean over all steps; 1 = balanced)"
     if finite(s.get("params_total")):
         rows["parameters total / active"] = f"{s['params_total'] / 1e6:,.2f} M / {s['params_active'] / 1e6:,.2f} M"
     if finite(s.get("flops_per_token")):

@@ -298,6 +298,7 @@ def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame) ->
     and 0.5x are equally strong and a modest imbalance is not washed out by one hot expert.
     """
     from matplotlib.colors import LogNorm
+    from matplotlib.ticker import FuncFormatter
 
     if not loads:
         return None
@@ -312,11 +313,20 @@ def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame) ->
     fig, axes = plt.subplots(len(relative), 1, figsize=(9, 0.9 + 0.28 * n_layers * len(relative) + 0.6 * len(relative)),
                              squeeze=False)
     ticks = [t for t in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8, 16) if 1 / vmax <= t <= vmax]
+    panel_in = fig.get_figheight() / len(relative) - 0.6  # the colour bar's height, about
+    while len(ticks) > 3 and 0.22 * len(ticks) > panel_in:  # thin out, keeping 1 (the middle tick)
+        middle = ticks.index(1)
+        ticks = [t for i, t in enumerate(ticks) if (i - middle) % 2 == 0]
+    as_text = FuncFormatter(lambda t, _: f"1/{1 / t:g}" if t < 1 else f"{t:g}")  # 1/4, not 0.25
     for ax, (label, rel) in zip(axes[:, 0], relative.items()):
         shown = np.clip(rel, 1 / vmax, vmax)  # idle experts (0) show as the lowest colour
         sns.heatmap(shown, ax=ax, cmap="RdBu_r", norm=LogNorm(1 / vmax, vmax),
-                    cbar_kws={"label": "load / mean (log)", "ticks": ticks, "format": "%g"},
+                    cbar_kws={"ticks": ticks, "format": as_text},
                     xticklabels=max(1, rel.shape[1] // 16), yticklabels=True)
+        bar = ax.collections[0].colorbar
+        bar.ax.minorticks_off()  # a log colour bar labels its minor ticks too: they collided with these
+        bar.ax.tick_params(labelsize=7)
+        bar.set_label("load / mean", fontsize=7)
         idle = int((rel == 0).sum())
         ax.set(xlabel="expert", ylabel="MoE layer",
                title=f"{label}: max/mean {rel.max(axis=1).mean():.2f}" + (f", {idle} idle experts" if idle else ""))

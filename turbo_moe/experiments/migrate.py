@@ -362,8 +362,9 @@ def _title(note: str | None) -> str | None:
     return None
 
 
-def ingest(results_dir: str | Path, store_dir: str | Path = store.DEFAULT_STORE, *, campaigns: Iterable[str] | None = None,
-           only_changed: bool = True, replace: bool = False, quiet: bool = False) -> dict[str, int]:
+def ingest(results_dir: str | Path, store_dir: str | Path = store.DEFAULT_STORE, *,
+           campaigns: Iterable[str] | None = None, only_changed: bool = True, replace: bool = False,
+           quiet: bool = False) -> dict[str, int]:
     """Import the files under ``results_dir`` into the store; returns campaign -> records written.
 
     ``only_changed``: a campaign whose files all sit in the store already (same path and sha256) is skipped.
@@ -406,11 +407,28 @@ def _unchanged(results_dir: Path, store_dir: Path, campaign: str, files: list[st
 
 # Campaigns the report no longer draws (kept in the store for history): campaign -> (superseded_by, why).
 SUPERSEDED = {
-    "gpu_paths_x_steps": ("", "ran with the router collapsed on a few experts (old routing defaults, 2026-11-22); "
-                              "to be re-run at the current defaults"),
     "kernels_h200": ("kernels_h200_wgrad_order", "kernels as first delivered (2026-11-21); the only H200 pallas rows"),
     "kernels_reduced_h200": ("kernels_h200_wgrad_order", "same shapes, before the weight-gradient order change"),
 }
+
+
+# Titles of the campaigns the report draws (the others carry their PROVENANCE.md's first line).
+TITLES = {
+    "cpu_default": "`make main`'s sweep: the CPU paths on `small`, Shakespeare, 200 steps",
+    "gpu_paths_x_batch": "every path against per-device batch, `reduced`, synthetic tokens (defaults of 2026-11-26)",
+    "gpu_paths_x_steps": "every path over 400 steps, `reduced`, Shakespeare (defaults of 2026-11-26)",
+    "defaults_vs_best_h200": "each path at its defaults against the best known settings, `reduced` b8 x 2048, H200",
+    "gpu_synthetic_vs_real": "synthetic tokens against real text, `reduced` (settings of 2026-11-21)",
+    "kernels_h100_80gb_hbm3": "grouped GEMM against ragged_dot, pallas and the dense ceiling, H100",
+    "kernels_h200_wgrad_order": "grouped GEMM against ragged_dot and the dense ceiling, H200",
+}
+
+
+def set_titles(store_dir: str | Path, titles: Mapping[str, str] = TITLES) -> None:
+    meta = store.read_campaigns(store_dir).set_index("campaign")
+    rows = [{"campaign": c, **{k: v for k, v in meta.loc[c].items() if isinstance(v, str)}, "title": t}
+            for c, t in titles.items() if c in meta.index]
+    store.write_campaigns(store_dir, rows)
 
 
 def mark_superseded(store_dir: str | Path, superseded: Mapping[str, tuple[str, str]] = SUPERSEDED) -> None:
@@ -439,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     ingest(args.results, args.store, campaigns=args.campaign, only_changed=not args.all, replace=args.all)
     if args.all:
         mark_superseded(args.store)
+        set_titles(args.store)
     if args.check:
         from turbo_moe.experiments import migration_check
 

@@ -46,7 +46,8 @@ def _stored_document(row: pd.Series, history: pd.DataFrame) -> dict[str, Any]:
     steps = history[history["record"] == row["record"]]
     out = {column: json.loads(row[column]) for column in ("config", "provenance", "summary")}
     extra = json.loads(row["extra"])
-    out["extra"] = extra["document"] if "document" in extra else {k: v for k, v in extra.items() if not k.startswith("_")}
+    plain = {k: v for k, v in extra.items() if not k.startswith("_")}
+    out["extra"] = extra["document"] if "document" in extra else plain
     out["history"] = {int(s): {"step": int(s), **dict(zip(p["metric"], p["value"]))} for s, p in steps.groupby("step")}
     return json.loads(json.dumps(out, default=str))
 

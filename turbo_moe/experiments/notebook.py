@@ -38,9 +38,11 @@ def train_config(
     from turbo_moe.model import MOE_PATHS
     from turbo_moe.train import TrainConfig
 
+    if moe_path == "auto":
+        moe_path = fastest_dropless_path()
     # Checked here too so that the message names the notebook parameter, before any compile.
     if moe_path not in MOE_PATHS:
-        raise ValueError(f"parameter moe_path: unknown path {moe_path!r}; expected one of {MOE_PATHS}")
+        raise ValueError(f"parameter moe_path: unknown path {moe_path!r}; expected 'auto' or one of {MOE_PATHS}")
     if isinstance(per_device_batch, bool) or not isinstance(per_device_batch, int) or per_device_batch <= 0:
         raise ValueError(f"parameter per_device_batch: must be a positive int, got {per_device_batch!r}")
     if not isinstance(model_overrides or {}, Mapping):
@@ -52,8 +54,19 @@ def train_config(
     overrides = {**(model_overrides or {}), "moe_path": moe_path}
     if capacity_factor is not None and not (isinstance(capacity_factor, float) and math.isnan(capacity_factor)):
         overrides["capacity_factor"] = float(capacity_factor)
-    return TrainConfig(model=model, model_overrides=overrides, per_device_batch=per_device_batch, steps=steps,
-                       **fields, **dict(train_overrides or {}))
+    return TrainConfig.from_dict({"model": model, "model_overrides": overrides, "per_device_batch": per_device_batch,
+                                  "steps": steps, **fields, **dict(train_overrides or {})})
+
+
+def fastest_dropless_path() -> str:
+    """``moe_path="auto"``: the fastest dropless path of this device, ``turbo`` where its kernels are loaded
+    (the CPU library is always built; on a GPU, the CUDA library), else ``ragged``."""
+    import jax
+
+    from turbo_moe import ops
+
+    loaded = ops.ensure_registered()
+    return "turbo" if {"cpu": "cpu", "gpu": "CUDA"}.get(jax.default_backend()) in loaded else "ragged"
 
 
 def describe(tc) -> pd.DataFrame:

@@ -46,7 +46,8 @@ def check_train_overrides(train_overrides: Any, explicit: Iterable[str] = ()) ->
     if not isinstance(train_overrides, Mapping):
         raise ValueError(f"parameter train_overrides: must be a dict of TrainConfig fields, got "
                          f"{type(train_overrides).__name__} {train_overrides!r}")
-    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    # + MaxText's top-level remat_policy, which TrainConfig.from_dict moves into the model overrides
+    fields = [f.name for f in dataclasses.fields(TrainConfig)] + ["remat_policy"]
     taken = set(OWN_PARAMETERS) | set(explicit)
     for key, value in train_overrides.items():
         if key not in fields:
@@ -57,7 +58,7 @@ def check_train_overrides(train_overrides: Any, explicit: Iterable[str] = ()) ->
             raise ValueError(f"parameter train_overrides: key {key!r} is set by the notebook parameter {key!r}; "
                              "set it there instead")
         try:
-            TrainConfig(**{key: value})  # the field's own validation, on its own
+            TrainConfig.from_dict({key: value})  # the field's own validation, on its own
         except (TypeError, ValueError) as exc:
             raise ValueError(f"parameter train_overrides: key {key!r}: {exc}") from None
     return dict(train_overrides)

@@ -337,22 +337,26 @@ def results_page(data: ReportData, store_dir: str | Path) -> str:
         rows = records[records["campaign"] == name]
         meta = campaigns.set_index("campaign").loc[name] if name in set(campaigns["campaign"]) else {}
         days = sorted({d[:10] for d in rows["date"].dropna()})
-        lines.append(f"| {name} | {_fmt(meta.get('title'))} | {', '.join(sorted(set(rows['device'].dropna())))} | "
-                     f"{days[0] + ' .. ' + days[-1] if len(days) > 1 else ''.join(days)} | "
-                     f"{', '.join(sorted({figures.short_commit(c) for c in rows['git_commit'].dropna()}))} | {len(rows)} |")
+        span = f"{days[0]} .. {days[-1]}" if len(days) > 1 else "".join(days)
+        commits = ", ".join(sorted({figures.short_commit(c) for c in rows["git_commit"].dropna()}))
+        devices = ", ".join(sorted(set(rows["device"].dropna())))
+        lines.append(f"| {name} | {_fmt(meta.get('title'))} | {devices} | {span} | {commits} | {len(rows)} |")
     lines += ["", "## Sweep points", "", results_markdown(data.results)]
     if not data.kernels.empty and {"shape", "impl", "tflops", "op"} <= set(data.kernels):
         best = data.kernels[pd.to_numeric(data.kernels["tflops"], errors="coerce").notna()]
-        best = best.assign(tflops=best["tflops"].astype(float)).groupby(["campaign", "op", "shape", "impl"])["tflops"].max()
-        lines += ["## Grouped GEMM, best TFLOP/s per shape (any routing)", "", "| campaign | op | shape | impl | TFLOP/s |",
-                  "|---|---|---|---|---|"]
+        best = best.assign(tflops=best["tflops"].astype(float))
+        best = best.groupby(["campaign", "op", "shape", "impl"])["tflops"].max()
+        lines += ["## Grouped GEMM, best TFLOP/s per shape (any routing)", "",
+                  "| campaign | op | shape | impl | TFLOP/s |", "|---|---|---|---|---|"]
         lines += [f"| {c} | {o} | {s} | {i} | {v:.0f} |" for (c, o, s, i), v in best.items()]
         lines.append("")
     old = campaigns[campaigns["status"] != "current"]
     if len(old):
-        lines += ["## Kept for history (not drawn)", "", "| campaign | status | superseded by | why |", "|---|---|---|---|"]
-        lines += [f"| {r.campaign} | {r.status} | {_fmt(r.superseded_by)} | {_fmt(r.note).splitlines()[0] if _fmt(r.note) else ''} |"
-                  for r in old.itertuples()]
+        lines += ["## Kept for history (not drawn)", "", "| campaign | status | superseded by | why |",
+                  "|---|---|---|---|"]
+        for r in old.itertuples():
+            why = _fmt(r.note).splitlines()[0] if _fmt(r.note) else ""
+            lines.append(f"| {r.campaign} | {r.status} | {_fmt(r.superseded_by)} | {why} |")
         lines.append("")
     lines.append(f"{len(campaigns)} campaigns and {len(records)} records in the store in all; the others "
                  "(benchmarks and probes behind docs/performance.md and docs/notes/) are read with "

@@ -38,16 +38,15 @@ def notebook_progress(path: Path) -> str | None:
 
 
 def _last_text(cell: dict) -> str | None:
+    """The newest status the cell shows: a stream's last line (a tqdm bar's last redraw after "\r"), or a
+    display's first line (the training's status display puts its status first, finished phases after)."""
     for output in reversed(cell.get("outputs") or []):
-        if output.get("output_type") == "stream":
-            text = output.get("text", "")
-        else:
-            text = (output.get("data") or {}).get("text/plain", "")
+        stream = output.get("output_type") == "stream"
+        text = output.get("text", "") if stream else (output.get("data") or {}).get("text/plain", "")
         text = "".join(text) if isinstance(text, list) else str(text)
-        # A tqdm bar redraws with "\r": the last redraw is the current state.
         lines = [part.strip() for line in text.splitlines() for part in line.split("\r") if part.strip()]
         if lines:
-            return lines[-1][:_LINE_CHARS]
+            return (lines[-1] if stream else lines[0])[:_LINE_CHARS]
     return None
 
 
@@ -55,9 +54,9 @@ class Heartbeat:
     """Context manager: logs ``<label>: running N s[; cell i/n: ...]`` every ``interval_s`` until it exits."""
 
     def __init__(self, label: str, notebook_out: Path | None, log: Callable[[str], None],
-                 interval_s: float = HEARTBEAT_S, enabled: bool = True):
+                 interval_s: float | None = None, enabled: bool = True):
         self.label, self.notebook_out, self.log = label, notebook_out, log
-        self.interval_s, self.enabled = interval_s, enabled
+        self.interval_s, self.enabled = interval_s or HEARTBEAT_S, enabled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start = time.perf_counter()

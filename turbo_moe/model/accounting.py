@@ -59,29 +59,6 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
-@functools.lru_cache(maxsize=16)
-def stacked_cast_params(cfg: ModelConfig) -> dict[str, int]:
-    """Elements of the layer stacks' cast-at-use weights (what `TrainConfig.cast_params_in_update` keeps a
-    compute-dtype copy of, and `master_weights="split"` splits), as routed experts and the rest; 0 where the
-    model computes in its parameter dtype."""
-    from turbo_moe.model.model import DeepSeekModel
-    from turbo_moe.model.stack import stacked_cast_paths
-
-    dtype = cfg.dtype
-    if dtype == cfg.param_dtype:
-        return {"routed experts": 0, "other": 0}
-    abstract = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))
-    paths = stacked_cast_paths(abstract, dtype)
-    routed = other = 0
-    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        if path in paths:
-            if "experts" in (str(p) for p in path):
-                routed += math.prod(var.shape)
-            else:
-                other += math.prod(var.shape)
-    return {"routed experts": routed, "other": other}
-
-
 def mtp_active_params(cfg: ModelConfig) -> int:
     """Parameters one token uses in the MTP modules (their own, routed experts at k / E)."""
     unused_expert_share = 1.0 - cfg.top_k / cfg.n_experts

@@ -168,6 +168,17 @@ def result_dtype(lhs_dtype, rhs_dtype, precision, preferred_element_type) -> np.
             preferred_element_type = jnp.dtype(preferred_element_type)
         except TypeError as e:
             raise TypeError(f"preferred_element_type must be a dtype or None, got {preferred_element_type!r}") from e
+    args = (jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype), precision, preferred_element_type)
+    try:
+        return _cached_result_dtype(*args)
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return _cached_result_dtype.__wrapped__(*args)  # e.g. precision as a list
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_result_dtype(lhs_dtype, rhs_dtype, precision, preferred_element_type) -> np.dtype:
     out = jax.eval_shape(
         functools.partial(jax.lax.ragged_dot, precision=precision, preferred_element_type=preferred_element_type),
         jax.ShapeDtypeStruct((1, 1), lhs_dtype), jax.ShapeDtypeStruct((1, 1, 1), rhs_dtype),

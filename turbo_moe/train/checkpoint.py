@@ -16,7 +16,8 @@ holder) from creation to ``close()``, and a second one is refused with ``Checkpo
 touches the folder (orbax removes unfinished saves it finds there: the other run's save in progress).
 Under ``jax.distributed`` process 0 holds it for the job. A failed save removes its own unfinished
 ``<step>.orbax-checkpoint-tmp`` folder, and the tracebacks orbax's threads print for it (the same error,
-once per thread) are left out: the ``CheckpointError`` carries it once.
+once per thread) are left out: the ``CheckpointError`` carries it once. (tensorstore may still print a
+late "Event loop is closed" echo from C++ after the save returned; nothing in Python can catch that.)
 """
 
 from __future__ import annotations

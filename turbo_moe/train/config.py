@@ -125,8 +125,9 @@ class TrainConfig:
         for name in ("adam_mu_dtype", "adam_nu_dtype"):
             if getattr(self, name) == "auto":
                 changes[name] = "bfloat16" if on_gpu else None
-        if self.adam_nu_rounding == "auto":
-            nu = changes.get("adam_nu_dtype", self.adam_nu_dtype)
+        nu = changes.get("adam_nu_dtype", self.adam_nu_dtype)
+        # "stochastic" with an "auto" nu that is not bfloat16 on this platform: nothing to round, so "nearest"
+        if self.adam_nu_rounding == "auto" or (self.adam_nu_rounding == "stochastic" and nu != "bfloat16"):
             changes["adam_nu_rounding"] = "stochastic" if nu == "bfloat16" else "nearest"
         return self.replace(**changes) if changes else self
 
