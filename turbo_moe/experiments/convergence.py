@@ -161,7 +161,7 @@ def plot_convergence(records: Sequence[dict], out_png: str | Path, *, footer: st
 
 
 def format_summary(summary: dict) -> str:
-    """A markdown table of the summary (the numbers NOTES and the README quote)."""
+    """A markdown table of the summary (the numbers the notes and the README quote)."""
     conf = f"{summary['confidence']:.0%}"
     lines = [f"| path | seeds | final eval loss, mean | sd | {conf} t-interval |", "|---|---|---|---|---|"]
     for label, p in sorted(summary["paths"].items()):

@@ -26,7 +26,7 @@ from turbo_moe.experiments import figures, results, store
 
 MIN_CURVE_STEPS = 20  # shorter runs (throughput probes) are noise on a loss plot
 # Routing phases of a run, as fractions of its logged steps: the router as at init (before the warm-up
-# collapse) and the last quarter (balanced once the bias has caught up; experiments/NOTES.md, issue 13).
+# collapse) and the last quarter (balanced once the bias has caught up; docs/notes/routing.md).
 ROUTING_PHASES = {"init": (0.0, 0.05), "late": (0.75, 1.0)}
 MANIFEST = "report.json"
 

@@ -360,7 +360,7 @@ def _with_disk_context(error: str | None, notebook_out: Path, layout: SweepLayou
 
 def execute_notebook(spec: SweepSpec, params: dict[str, Any], notebook_out: Path, kernel: str) -> tuple[str, str | None]:
     """Run the notebook through papermill; returns (status, error message or None)."""
-    import papermill  # deferred: its import is slow (experiments/NOTES.md) and dry runs do not need it
+    import papermill  # deferred: its import is slow and dry runs do not need it
 
     try:
         papermill.execute_notebook(

@@ -1,4 +1,4 @@
-"""Cross-entropy through the output head over chunks of positions (`ModelConfig.loss_chunk_tokens`, issue 14).
+"""Cross-entropy through the output head over chunks of positions (`ModelConfig.loss_chunk_tokens`).
 
 The unchunked loss keeps the float32 (B, S, V) logits of every head for the backward and materialises
 their float32 gradient (2 GiB each at 8 x 2048 tokens and V = 32768). Here a `lax.scan` over chunks of
@@ -94,7 +94,7 @@ def _chunk_logits(h, weight, bias, vocab_major, logits_dtype):
 def _logsumexp(logits):
     """(B, P, V) float32 -> (B, P): log-sum-exp in one pass over the logits (a running max and a sum rescaled
     to it, combined pairwise), where `jax.nn.logsumexp` reads them twice (max, then sum): the logits of a
-    chunk are 512 MiB at 4096 tokens x V 32768, and these passes were ~30% of the head's time (issue 14)."""
+    chunk are 512 MiB at 4096 tokens x V 32768, and these passes are a large share of the head's time."""
     def combine(a, b):
         (m_a, s_a), (m_b, s_b) = a, b
         # one exp per combine (the side with the larger max keeps its sum as is): the pass is exp-bound otherwise
@@ -135,7 +135,7 @@ def _cross_entropy(hidden, weight, bias, targets, mask, static):
 
 # With a head bias, dL/dbias is the column sum of dL/dlogits: one more row of the dL/dhead GEMM, whose lhs gets a
 # ones column (and zeros to keep rows 16-byte aligned). Summed in the elementwise pass instead, that column
-# reduction made the pass ~1.7x its bytes' time (issue 14).
+# reduction made the pass well slower than its bytes' time.
 _BIAS_COLUMNS = 8
 
 

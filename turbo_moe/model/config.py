@@ -125,23 +125,21 @@ class ModelConfig:
     # Output-head bias, a float32 (V,) Param added to the main and MTP logits. "unigram": training sets it
     # at init to the training split's log unigram frequencies, so the model need not learn them as one
     # direction every token's hidden state carries, the direction that collapses the routers in the lr
-    # warm-up (NOTES, issue 13); "zero": learned from zero; "none": no bias (DeepSeek-V3).
+    # warm-up (docs/notes/routing.md); "zero": learned from zero; "none": no bias (DeepSeek-V3).
     head_bias: str = "none"
     # Zero-init the projections back into the residual stream (attention and SwiGLU `wo`, experts'
     # `w_down`): every block starts as the identity, so the router inputs are the token embeddings at
     # every depth. With random ones, the near-uniform attention of a fresh model adds nearly the same
-    # vector to every token in each layer (router-input cos 0.05 -> 0.53 over `reduced`'s 16 layers at
-    # init, max/mean load up to 7.9; NOTES, issue 13 part 6).
+    # vector to every token in each layer, and the routers of deep layers see tokens that look alike.
     zero_init_out_proj: bool = False
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02  # std of every projection's normal init
     # Token-embedding init std; None: d_model ** -0.5 (MaxText's fan-in default). Not init_std: with
     # embeddings as small as DeepSeek's 0.006 the (near-uniform) attention output dominates the residual
-    # stream at init, the tokens of a sequence look alike and the router collapses onto a few experts
-    # (35% of copies dropped at cf 1.25 in a 4-layer `reduced`; 1.6% with d_model ** -0.5).
+    # stream at init, the tokens of a sequence look alike and the router collapses onto a few experts.
     embedding_init_std: float | None = None
     # Router (gate) kernel init std; None: init_std (DeepSeek/Megatron: one std for every projection);
-    # d_model ** -0.5 is MaxText's fan-in gate init (experiments/NOTES.md, routing collapse).
+    # d_model ** -0.5 is MaxText's fan-in gate init.
     router_init_std: float | None = None
     # "sign": b_i += rate * sign(mean - load_i) (DeepSeek-V3); "proportional": b_i += rate * (mean -
     # load_i) / mean, so an expert at 10x the mean load moves 9 steps' worth at once.
@@ -151,17 +149,16 @@ class ModelConfig:
     router_lr_scale: float = 1.0
     # Causal sequence centering of the selection (False: off): top-k reads sigmoid(l_t - mean_{s<=t} l_s),
     # each token's gate logits minus the running mean of its own sequence's so far (stop-gradient; combine
-    # weights unchanged). Whatever every token of a sequence shares, the depth- or lr-made shared direction
-    # of NOTES issue 13, leaves the choice exactly; past tokens only, so training and decoding agree.
+    # weights unchanged). Whatever every token of a sequence shares (the shared direction that collapses the
+    # routers) leaves the choice exactly; past tokens only, so training and decoding agree.
     router_center_causal: bool = False
     # Causal sequence load penalty on the selection (0: off): each sequence runs through top-k in chunks of
     # `router_seq_load_chunk` tokens; a token's selection is lowered by this weight x max(share - 1, 0) per expert,
     # share = that expert's picks by the sequence's *earlier chunks* over its fair share k/E (with a prior of
     # SEQ_LOAD_PRIOR_TOKENS fair-share tokens; `router.seq_load_penalized_selection`). A sequence that sends most
-    # of its tokens to a few experts (repeated names and lines, the batches over T1's 2.0; NOTES, issue 13 part
-    # 10) spreads its later tokens. Stop-gradient, combine weights unchanged, past chunks only (a decoder that keeps
-    # each sequence's counts, updated at chunk boundaries, makes the same choices). Sequential over chunks: a
-    # parallel version moves alike tokens all at once (NOTES).
+    # of its tokens to a few experts (repeated names and lines) spreads its later tokens. Stop-gradient, combine
+    # weights unchanged, past chunks only (a decoder that keeps each sequence's counts, updated at chunk boundaries,
+    # makes the same choices). Sequential over chunks: a parallel version moves alike tokens all at once.
     router_seq_load_penalty: float = 0.0
     router_seq_load_chunk: int = 128
     # "auto" (on the GPU for bf16/f16: cuDNN with v at its own width where this JAX has the private entry point
@@ -398,12 +395,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     # DeepSeek-V3 proportions at ~2.07 B total / ~0.36 B active: 64 routed experts (8 groups, top-4 groups)
     # + 1 shared, top-6, MLA with q/kv LoRA and decoupled RoPE, MTP depth 1; sized for one 80 GB GPU at
-    # 8 x 2048 tokens (measured memory and step time per path: experiments/NOTES.md, issue 15).
-    # Routing recipe for short, high-lr runs (NOTES, issue 13 parts 6-10; DeepSeek-V3's own: head_bias "none",
-    # zero_init_out_proj False, router_lr_scale 1, router_bias_update "sign", router_bias_rate 1e-3,
-    # router_center_causal False, router_seq_load_penalty 0): on Shakespeare at 4 x 1024 tokens no step of a
-    # 400-step run has a layer over 2.0 max/mean load and dense_cf drops 0.1-0.2% at cf 1.25 (DeepSeek's
-    # settings: every step from 100 over 2.0, 26.5% dropped; without the sequence load penalty: 2-12 steps, 1.7%).
+    # 8 x 2048 tokens. Its routing recipe is for short, high-lr runs (docs/configuration.md has the measurements;
+    # DeepSeek-V3's own: head_bias "none", zero_init_out_proj False, router_lr_scale 1, router_bias_update "sign",
+    # router_bias_rate 1e-3, router_center_causal False, router_seq_load_penalty 0).
     "reduced": dict(
         vocab_size=32768, d_model=1280, n_layers=16, n_dense_layers=1, dense_ffn_dim=3584, moe_ffn_dim=512,
         n_experts=64, n_shared_experts=1, top_k=6, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,

@@ -1,10 +1,10 @@
-"""The permute exchange's whole expert block as one custom VJP (`ModelConfig.expert_backward = "block"`):
+"""The permute exchange's whole expert block as one custom VJP (what the model always runs on those paths):
 permute -> gate/up grouped GEMM -> SwiGLU -> down grouped GEMM -> unpermute.
 
 Why: differentiated piece by piece, the block keeps two (T*k, D) tensors for its backward pass: the permuted rows
 (the gate/up weight gradient reads them) and the down GEMM's output y (unpermute's backward reads it for the
-combine weights' gradient). Inside a layer scan XLA copies each into the scan's residual stacks (252 MB a layer at
-`reduced`, ~1.8 ms a step each) and the backward reads y once more. Here neither is kept:
+combine weights' gradient). Inside a layer scan XLA copies each into the scan's residual stacks and the backward
+reads y once more. Here neither is kept:
   - the permuted rows are copied again from the block's input tokens (`ops.permute_rows`: the permute's copy step);
   - with y = act @ W, out = sum_j w_j y_j and g = dL/dout, the combine weights' gradient comes from the down GEMM's
     data gradient run on the *unweighted* rows of g:  G = g @ W^T,  d_w = <act, G>,  d_act = w * G,

@@ -42,7 +42,7 @@ def swiglu_fused(h: jax.Array) -> jax.Array:
 
     Its backward is written out: d_h = [d_gate | d_up] as one concatenate, computed in float32. Autodiff of the
     two slices gave pad(d_gate) + pad(d_up), which XLA fused into a loop that evaluated both halves for every
-    element of d_h: 0.207 ms a `reduced` layer against a 0.116 ms floor (experiments/NOTES.md, issue 14)."""
+    element of d_h, at almost twice its bytes' time (docs/performance.md)."""
     return _swiglu(h)
 
 
@@ -78,7 +78,7 @@ def saved(x: jax.Array, name: str) -> jax.Array:
     """x named `name` for the remat policies, behind an optimization barrier."""
     # The barrier keeps XLA's dynamic-slice fusion from wrapping a *clone* of the FFI call that made x
     # around the write into the scan's stacked residuals (it did: every saved grouped GEMM ran twice in
-    # the forward pass; experiments/NOTES.md, issue 14). Values are unchanged.
+    # the forward pass). Values are unchanged.
     return checkpoint_name(jax.lax.optimization_barrier(x), name)
 
 
@@ -103,7 +103,7 @@ def routed_load(expert_ids: jax.Array, n_experts: int) -> jax.Array:
     """(E,) float32 count of token copies per expert (ids outside [0, E) count for none).
 
     A row reduction of an (E, T*k) one-hot that XLA never materialises: one block per expert reads the ids from L2.
-    The scatter-add it replaces sent T*k atomic adds to E addresses: 32 us a layer at `reduced` (NOTES, call 97)."""
+    The scatter-add it replaces sent T*k atomic adds to E addresses, which serialise."""
     ids = expert_ids.reshape(1, -1)
     experts = jnp.arange(n_experts, dtype=ids.dtype)[:, None]
     return jnp.sum(ids == experts, axis=1, dtype=jnp.float32)

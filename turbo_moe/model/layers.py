@@ -63,8 +63,7 @@ def rope_tables(seq_len: int, rope_dim: int, theta: float) -> tuple[jax.Array, j
 
 # RoPE and the head splits below have written-out backwards that build each gradient with one concatenate. Autodiff
 # of a split (or of rotate_half's halves) gives pad(a) + pad(b), which XLA fuses into loops that evaluate every operand
-# at every element, next to a layout change out of cuDNN: 2.0 ms a `reduced` step for the q and k/v gradients
-# (experiments/NOTES.md, issue 14, call 67).
+# at every element, next to a layout change out of cuDNN (docs/performance.md).
 @jax.custom_vjp
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate the last dim of x (B, S, N, R) in half-split ("rotate_half") pairing, float32 math."""
@@ -185,7 +184,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax
     width = max(d_qk, d_v)
     pad = lambda t: t if t.shape[-1] == width else jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])])
     # Named: the remat policy "dots_experts_attention" keeps the kernel's inputs, which the backward reads, instead
-    # of rebuilding them from the projections (RoPE, concatenates, the pad: 2.6 ms of a `reduced` step).
+    # of rebuilding them from the projections (RoPE, concatenates, the pad).
     q, k, v = (checkpoint_name(pad(t), ATTENTION_SAVE_NAME) for t in (q, k, v))
     attend = lambda implementation: jax.nn.dot_product_attention(
         q, k, v, scale=d_qk ** -0.5, is_causal=True, implementation=implementation)

@@ -142,7 +142,7 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
     counts = jnp.zeros((b, n_experts), jnp.float32)  # picks by the earlier chunks of each sequence
     out = []
     # A Python loop, not lax.scan: the chunks' ops stay plain equations that the backward pass, which needs
-    # none of them, drops under remat; a scan was run again there (NOTES, issue 13 part 10).
+    # none of them, drops under remat; a scan was run again there.
     for start in range(0, seq, chunk):
         share = (counts + fair * SEQ_LOAD_PRIOR_TOKENS) / ((start + SEQ_LOAD_PRIOR_TOKENS) * fair)
         sel = selection[:, start:start + chunk] - cfg.router_seq_load_penalty * jnp.maximum(share - 1.0, 0.0)[:, None]
@@ -198,7 +198,7 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array) -> Routing:
         # The gate's arithmetic is float32: small score differences decide the routing. On NVIDIA GPUs XLA's DEFAULT
         # precision multiplies float32 operands in TF32 (10 mantissa bits): x, cast from bf16, is exact there, the gate
-        # kernel is rounded, the sums stay float32; on the CPU float32 throughout (NOTES, issue 14).
+        # kernel is rounded, the sums stay float32; on the CPU float32 throughout.
         gate = self.gate()
         logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), gate)
         scores = jax.nn.sigmoid(logits)

@@ -27,7 +27,7 @@ from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
 # The routed experts' tensors the backward pass reads (named in `experts.expert_ffn`), and the cuDNN
 # attention kernel's outputs (its output and softmax statistics are its backward's residuals). Neither is
 # a plain dot, so under "dots_no_batch" the grouped GEMMs, the permute and cuDNN's forward run again in the
-# backward pass (~17 ms of a 175 ms `reduced` step, experiments/NOTES.md issue 14).
+# backward pass (docs/performance.md).
 _CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
 # The routing's integer results (the router's picks; the permute's row index, a residual of its backward):
 # a few bytes a token, and without them the backward pass runs the router's selection and the permute again.
@@ -124,8 +124,7 @@ class BlockStack(nnx.Module):
         if self.cfg.scan_layers:
             return jax.lax.scan(body, h, state)
         # One split per stacked weight, not a slice per layer: the gradient of L slices is L zero-padded full-size
-        # stacks summed (XLA fused that chain into the optimizer's norm: +73 ms a `reduced` step, experiments/
-        # NOTES.md issue 14); the gradient of a split is one concatenate.
+        # stacks summed (XLA fused that chain into the optimizer's norm); the gradient of a split is one concatenate.
         leaves, treedef = jax.tree.flatten(state)
         pieces = [jax.lax.split(a, [1] * self.n_blocks, axis=0) for a in leaves]
         per_layer = []

@@ -11,7 +11,7 @@ ways to move the blocks (`via`), the same bytes on the wire (P-1 blocks of T row
   there and back; nothing is sent to oneself and nothing is broadcast. Blocks rotated: block j is
   source (me + j) % P, so block 0 is this rank's own tokens.
 Why three: NCCL's all_gather + reduce-scatter of two H200s ran at 0.85x an all_to_all of the same
-bytes (experiments/NOTES.md, issue 14 EP), and the all_to_all copies the block a rank keeps.
+bytes (docs/expert-parallel.md), and the all_to_all copies the block a rank keeps.
 """
 from __future__ import annotations
 
@@ -27,9 +27,8 @@ DEFAULT_DENSE_VIA = "auto"
 
 
 def resolve_via(via: str, n_ranks: int) -> str:
-    """"auto": permute at two ranks (one permute each way; 0.84-0.86x a plain all_to_all of the same bytes
-    at DeepSeek-V3 width against all_gather's 0.78-0.80x), all_gather beyond (the P-1 permutes run one after
-    another: 0.49-0.51x at P = 4, all_gather 0.77-0.84x; four H200s, experiments/NOTES.md issue 14 calls 106-108)."""
+    """"auto": permute at two ranks (one permute each way: the fastest of the three there), all_gather beyond (XLA
+    runs the P-1 permutes one after another). Measured on four H200s: docs/expert-parallel.md."""
     if via not in DENSE_VIA:
         raise ValueError(f"dense_via must be one of {DENSE_VIA}, got {via!r}")
     if via == "auto":

@@ -5,7 +5,7 @@ in one FFI call that returns both.
 (rounded to the output dtype) and rounded once. Why one call: a caller that keeps h for its backward pass and
 feeds act to the next GEMM (`model.expert_block`) then leaves h with a single reader, the write into a layer
 scan's stacked residuals, which XLA does in place; with SwiGLU as a separate XLA fusion reading h too, XLA
-copied h into the stack instead (201 MB a layer at `reduced`; experiments/NOTES.md, issue 14).
+copied h into the stack instead.
 """
 from __future__ import annotations
 

@@ -25,10 +25,8 @@ Layouts (the results are the same; they differ in what crosses the wire and what
   exchanged first by a (P,) all_to_all): fewer bytes when tokens reach few of the ranks (large P).
 - "auto": for P <= WORST_CASE_MAX_RANKS (a token reaches 1 - (1 - 1/P)^k of the ranks: nearly all, so
   real rows ~ the buffer) dense where C = T, else packed; ragged for more ranks (real rows only: reasoned
-  from the bytes, not measured past P = 4). Measured on four H200s (experiments/NOTES.md, issue 14, calls
-  106-108), a round trip at DeepSeek-V3 width against a plain all_to_all of its real rows: EP=2 dense
-  0.84-0.86x (by permutes), packed 0.70-0.74x; EP=4 dense 0.77-0.84x (by all_gather), packed 0.73-0.76x;
-  the `reduced` MoE layer's fwd+bwd at EP=4 4.17-4.23 ms dense against 4.56-4.65 packed.
+  from the bytes, not measured past P = 4). Dense was the fastest layout at EP=2 and EP=4 on four H200s
+  (docs/expert-parallel.md has the measurements).
 """
 from __future__ import annotations
 

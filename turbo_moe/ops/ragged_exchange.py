@@ -5,8 +5,7 @@ block p of this rank's rows to rank p and returns the blocks received, as `Excha
 sizes say. It is a custom_vjp whose backward pass is the reverse exchange (the same plan read the other
 way). impl "native" runs `jax.lax.ragged_all_to_all` with each destination's block split into
 `chunks_per_peer` updates: XLA's one-shot GPU kernel copies each update with one 128-thread block, so
-one update per peer left 2 blocks to move the whole exchange at EP=2 (0.01x of an all_to_all,
-experiments/NOTES.md). XLA:CPU has no `ragged-all-to-all` thunk (jax 0.10.2), so impl "emulated" gives
+one update per peer left 2 blocks to move the whole exchange at EP=2 (docs/expert-parallel.md). XLA:CPU has no `ragged-all-to-all` thunk (jax 0.10.2), so impl "emulated" gives
 the same semantics through a padded `all_to_all` of (P, rows, H) blocks; tests run the emulation, GPUs
 the native collective (`default_impl` picks by platform).
 

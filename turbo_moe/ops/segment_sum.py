@@ -1,8 +1,7 @@
 """Sum of rows by segment id, deterministic and without atomics: a drop-in for the common call of
 `jax.ops.segment_sum` (and the backward of an embedding lookup, `model/embedding.py`).
 
-XLA's GPU scatter-add serialises on repeated ids (the frequent tokens of real text: 15-60 ms for 16,384 rows of an
-H200 step, experiments/NOTES.md). Here XLA sorts the ids (one small sort of N int32 pairs) and the kernel sums each
+XLA's GPU scatter-add serialises on repeated ids (the frequent tokens of real text; docs/performance.md). Here XLA sorts the ids (one small sort of N int32 pairs) and the kernel sums each
 id's rows in float32 in a fixed order (kernels/{cpu,cuda}/segment_sum.*): cost N x D reads + V x D writes whatever
 the ids' distribution, the same bits on the CPU and the GPU, and the same bits run to run.
 """

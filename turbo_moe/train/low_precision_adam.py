@@ -2,8 +2,8 @@
 
 optax has `mu_dtype` but no `nu_dtype`: `with_adam_nu_dtype` wraps optax's own adamw (its arithmetic unchanged, on a
 float32 copy of the stored nu) and rounds only the nu kept for the next step. Round-to-nearest drops the increment
-(1 - b2) g^2 whenever it is under half an ulp of nu, so a bf16 nu runs low (measured on Shakespeare: +0.074 nats at 300
-steps, experiments/NOTES.md, issue 14); stochastic rounding keeps the stored value unbiased. Its random bits are a
+(1 - b2) g^2 whenever it is under half an ulp of nu, so a bf16 nu runs low (measured: docs/configuration.md);
+stochastic rounding keeps the stored value unbiased. Its random bits are a
 counter hash of (step, leaf, element): no PRNG state, the same bits on any sharding, fused into the update's pass.
 """
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 `jax.lax.scan` builds each stacked output (and, under autodiff, each stacked residual of the forward scan and
 each stacked parameter gradient of the backward one) as a zero-filled buffer that the loop then overwrites slice by
-slice; every slice is written, so the fill is wasted work: ~8.6 ms of a 160 ms `reduced` step on an H200
-(`loop_broadcast_fusion`, experiments/NOTES.md, issue 14). JAX has `lax.empty` (XLA's "AllocateBuffer" on
+slice; every slice is written, so the fill is wasted work (`loop_broadcast_fusion` kernels; docs/configuration.md).
+JAX has `lax.empty` (XLA's "AllocateBuffer" on
 GPU/TPU, zeros elsewhere) but its scan does not use it yet (a TODO in jax/_src/lax/control_flow/loops.py).
 `uninitialized_scan_outputs()` swaps JAX's private `loops._empty_array` for one that returns `lax.empty` while
 a program is lowered. It depends on that private function: with a JAX whose scan builds its outputs another

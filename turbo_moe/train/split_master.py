@@ -4,7 +4,7 @@ A float32 x is hi + lo exactly when hi is x's top 16 bits rounded half up (a bfl
 and lo is x's low 16 bits (uint16): the rounding direction is recoverable from lo alone (up iff lo >= 0x8000), so
 x = ((bits(hi) - up) << 16) | lo. The optimizer joins the two, updates float32 as before and splits the result: it reads
 and writes 2 + 2 bytes a weight where `cast_params_in_update` reads 4 and writes 4 + 2 (the float32 master and the
-separate bf16 copy; NOTES, issue 14). hi differs from round-to-nearest-even only at exact ties (x's low 16 bits
+separate bf16 copy). hi differs from round-to-nearest-even only at exact ties (x's low 16 bits
 0x8000, one value in 65536), where it rounds up in magnitude.
 
 Edge cases: a finite x at or past bf16's largest value + half an ulp gets hi = +-inf (as round-to-nearest-even does)

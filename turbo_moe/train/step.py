@@ -259,7 +259,7 @@ class Program:
 
 def compiler_options(gpu_autotune_level: int | None) -> dict | None:
     """Per-program XLA options. On the GPU, autotune level 0 skips timing GEMM variants at compile time:
-    faster compiles, much slower steps without an autotune cache (measured: experiments/NOTES.md)."""
+    faster compiles, much slower steps without an autotune cache (docs/configuration.md)."""
     if gpu_autotune_level is None or jax.default_backend() != "gpu":
         return None
     return {"xla_gpu_autotune_level": gpu_autotune_level}
