@@ -1,5 +1,5 @@
 // Shared pieces of the CPU FFI handlers, compiled for the baseline ISA only (isa.h): element types,
-// group layout, a deadlock-free parallel_for on XLA's intra-op thread pool, batch-dimension helpers.
+// group layout, a deadlock-free parallel_for on XLA's intra-op thread pool (the checks: kernels/contracts).
 #pragma once
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "../contracts/contract.h"
 #include "convert.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -28,6 +29,13 @@ inline bool to_dtype(ffi::DataType t, Dtype* out) {
     case ffi::DataType::F16: *out = Dtype::kF16; return true;
     default: return false;
   }
+}
+
+// The Dtype of an element type its op's contract has checked (float32/bfloat16/float16).
+inline Dtype dtype_of(ffi::DataType t) {
+  Dtype d = Dtype::kF32;
+  to_dtype(t, &d);
+  return d;
 }
 
 // ---- group layout ------------------------------------------------------------------------------
@@ -91,16 +99,5 @@ inline void parallel_for(ffi::ThreadPool* pool, int64_t n, const std::function<v
   shared->closed = true;
   shared->cv.wait(lock, [&] { return shared->active == 0; });
 }
-
-// ---- batch dims --------------------------------------------------------------------------------
-// vmap uses `broadcast_all`: every operand carries the same leading batch dims. Returns the
-// product of the leading dims of a buffer whose trailing `core_rank` dims are the op's own.
-inline int64_t leading_product(ffi::AnyBuffer::Dimensions dims, int64_t core_rank) {
-  int64_t p = 1;
-  for (int64_t i = 0; i + core_rank < static_cast<int64_t>(dims.size()); ++i) p *= dims[i];
-  return p;
-}
-
-inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
 
 }  // namespace turbo_moe

@@ -7,6 +7,7 @@
 // Each output element is produced by one tile with a fixed summation order: deterministic.
 #include "grouped_gemm.h"
 
+#include "../contracts/registration.h"
 #include "gemm_kernels.h"
 
 namespace turbo_moe {
@@ -25,23 +26,10 @@ const GemmScratch& thread_scratch(const GemmKernels& k) {
 ffi::Error run_grouped_gemm(ffi::ThreadPool* pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, bool transpose_rhs, bool zero_tail,
                             std::vector<int64_t>* totals_out) {
-  Dtype in_dt, out_dt;
-  if (!to_dtype(lhs.element_type(), &in_dt) || rhs.element_type() != lhs.element_type())
-    return invalid("grouped_gemm: lhs and rhs must share one dtype of float32/bfloat16/float16");
-  if (!to_dtype(out.element_type(), &out_dt))
-    return invalid("grouped_gemm: output dtype must be float32/bfloat16/float16");
-  auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
-  if (ld.size() < 2 || rd.size() != ld.size() + 1 || gd.size() != ld.size() - 1)
-    return invalid("grouped_gemm: expected lhs [..., M, K], rhs [..., G, K, N], group_sizes [..., G]");
-  const int64_t rank = ld.size();
-  const int64_t M = ld[rank - 2], K = ld[rank - 1], G = rd[rank - 2];
-  const int64_t N = transpose_rhs ? rd[rank - 1] : rd[rank];
-  const int64_t rhs_k = transpose_rhs ? rd[rank] : rd[rank - 1];
-  if (rhs_k != K || gd[rank - 2] != G)
-    return invalid("grouped_gemm: contraction dim or group count mismatch between lhs, rhs, group_sizes");
-  const int64_t batch = leading_product(ld, 2);
-  if (leading_product(rd, 3) != batch || leading_product(gd, 1) != batch)
-    return invalid("grouped_gemm: operands must share the same leading batch dims");
+  auto dims = check_grouped_gemm(lhs, rhs, group_sizes, out, transpose_rhs);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, M = dims->M, K = dims->K, N = dims->N, G = dims->G;
+  const Dtype in_dt = dtype_of(lhs.element_type()), out_dt = dtype_of(out.element_type());
 
   const char* lhs_p = static_cast<const char*>(lhs.untyped_data());
   const char* rhs_p = static_cast<const char*>(rhs.untyped_data());
@@ -83,20 +71,10 @@ ffi::Error GroupedGemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuf
 ffi::Error GroupedGemmWeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
                                      ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d_rhs,
                                      ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/) {
-  Dtype in_dt, out_dt;
-  if (!to_dtype(lhs.element_type(), &in_dt) || d_out.element_type() != lhs.element_type())
-    return invalid("grouped_gemm_weight_grad: lhs and d_out must share one dtype of f32/bf16/f16");
-  if (!to_dtype(d_rhs->element_type(), &out_dt))
-    return invalid("grouped_gemm_weight_grad: output dtype must be float32/bfloat16/float16");
-  auto ld = lhs.dimensions(), dd = d_out.dimensions(), gd = group_sizes.dimensions();
-  auto od = d_rhs->dimensions();
-  if (ld.size() < 2 || dd.size() != ld.size() || gd.size() != ld.size() - 1 || od.size() != ld.size() + 1)
-    return invalid("grouped_gemm_weight_grad: expected lhs [..., M, K], d_out [..., M, N], group_sizes [..., G]");
-  const int64_t rank = ld.size();
-  const int64_t M = ld[rank - 2], K = ld[rank - 1], N = dd[rank - 1], G = gd[rank - 2];
-  if (dd[rank - 2] != M || od[rank - 1] != K || od[rank] != N || od[rank - 2] != G)
-    return invalid("grouped_gemm_weight_grad: shape mismatch between lhs, d_out and the result");
-  const int64_t batch = leading_product(ld, 2);
+  auto dims = check_grouped_gemm_weight_grad(lhs, d_out, group_sizes, *d_rhs);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, M = dims->M, K = dims->K, N = dims->N, G = dims->G;
+  const Dtype in_dt = dtype_of(lhs.element_type()), out_dt = dtype_of(d_rhs->element_type());
 
   const char* lhs_p = static_cast<const char*>(lhs.untyped_data());
   const char* dout_p = static_cast<const char*>(d_out.untyped_data());
@@ -121,22 +99,7 @@ ffi::Error GroupedGemmWeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, f
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // rhs [..., G, K, N] or [..., G, N, K]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // out [..., M, N]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
-                                  .Attr<bool>("transpose_rhs")
-                                  .Attr<bool>("zero_tail"));                  // false: rows past the groups NaN
+TURBO_MOE_CPU_HANDLER(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl, turbo_moe::grouped_gemm_signature);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // d_out [..., M, N]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // d_rhs [..., G, K, N]
-                                  .Ret<xla::ffi::AnyBuffer>());               // workspace (CUDA only; may be empty)
+TURBO_MOE_CPU_HANDLER(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,
+                      turbo_moe::grouped_gemm_weight_grad_signature);

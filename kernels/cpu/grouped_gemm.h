@@ -3,6 +3,7 @@
 // (see tail_fill in common.h). `totals` (may be null) gets each batch's sum(group_sizes), clamped to M.
 #pragma once
 
+#include "../contracts/grouped_gemm.h"
 #include "common.h"
 
 namespace turbo_moe {

@@ -7,6 +7,8 @@
 // layer at `reduced`; experiments/NOTES.md, issue 14). Same contract as kernels/cuda/grouped_gemm_swiglu.cu.
 #include <cmath>
 
+#include "../contracts/grouped_gemm_swiglu.h"
+#include "../contracts/registration.h"
 #include "grouped_gemm.h"
 
 namespace turbo_moe {
@@ -17,23 +19,15 @@ ffi::Error GroupedGemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::
                                  ffi::Result<ffi::AnyBuffer> act,
                                  ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/,
                                  bool transpose_rhs, bool zero_tail) {
-  Dtype dt;
-  if (!to_dtype(h->element_type(), &dt) || act->element_type() != h->element_type())
-    return invalid("grouped_gemm_swiglu: h and act must share one dtype of float32/bfloat16/float16");
-  auto hd = h->dimensions(), ad = act->dimensions();
-  const int64_t rank = hd.size();
-  if (rank < 2 || ad.size() != hd.size())
-    return invalid("grouped_gemm_swiglu: expected h [..., M, 2F] and act [..., M, F]");
-  const int64_t F = ad[rank - 1];
-  for (int64_t i = 0; i + 1 < rank; ++i)
-    if (ad[i] != hd[i]) return invalid("grouped_gemm_swiglu: h and act must share their leading dims");
-  if (hd[rank - 1] != 2 * F) return invalid("grouped_gemm_swiglu: h must be [..., M, 2F] for act [..., M, F]");
+  auto dims = check_grouped_gemm_swiglu(lhs, rhs, group_sizes, *h, *act, transpose_rhs);
+  if (!dims) return dims.error();
+  const int64_t F = dims->F, batch = dims->gemm.batch, M = dims->gemm.M;
+  const Dtype dt = dtype_of(h->element_type());
   std::vector<int64_t> totals;
   if (auto err = run_grouped_gemm(&pool, lhs, rhs, group_sizes, *h, transpose_rhs, zero_tail, &totals);
       err.failure())
     return err;
 
-  const int64_t batch = leading_product(hd, 2), M = hd[rank - 2];
   const char* h_p = static_cast<const char*>(h->untyped_data());
   char* act_p = static_cast<char*>(act->untyped_data());
   const int64_t w = byte_width(dt);
@@ -60,14 +54,5 @@ ffi::Error GroupedGemmSwigluImpl(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_swiglu, turbo_moe::GroupedGemmSwigluImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // rhs [..., G, K, 2F] or [..., G, 2F, K]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // h [..., M, 2F]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // act [..., M, F]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
-                                  .Attr<bool>("transpose_rhs")
-                                  .Attr<bool>("zero_tail"));                  // false: rows past the groups NaN
+TURBO_MOE_CPU_HANDLER(turbo_moe_grouped_gemm_swiglu, turbo_moe::GroupedGemmSwigluImpl,
+                      turbo_moe::grouped_gemm_swiglu_signature);

@@ -6,6 +6,8 @@
 // those experts; its other k-slots carry id -1 and weight 0. Slots are filled in token order,
 // so the layout is deterministic. Buffers are static (C slots per rank); a token that finds rank
 // p full is counted in overflow[p] and gets slot -1 (never silently lost). Unused slots are zero.
+#include "../contracts/moe_dispatch.h"
+#include "../contracts/registration.h"
 #include "common.h"
 
 namespace turbo_moe {
@@ -19,19 +21,11 @@ ffi::Error DispatchPackImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
                             ffi::Result<ffi::Buffer<ffi::S32>> overflow,
                             ffi::Result<ffi::Buffer<ffi::S32>> slot, int64_t num_ranks,
                             int64_t experts_per_rank, int64_t capacity) {
-  Dtype dt;
-  if (!to_dtype(x.element_type(), &dt) || send_x->element_type() != x.element_type())
-    return invalid("dispatch_pack: x must be float32/bfloat16/float16 and send_x the same dtype");
-  auto xd = x.dimensions(), id = expert_ids.dimensions(), wd = weights.dimensions();
-  if (xd.size() < 2 || id.size() != xd.size() || wd.size() != xd.size())
-    return invalid("dispatch_pack: expected x [..., T, H], expert_ids and weights [..., T, k]");
-  const int64_t rank = xd.size();
-  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = id[rank - 1];
-  const int64_t P = num_ranks, El = experts_per_rank, C = capacity;
-  if (id[rank - 2] != T || wd[rank - 2] != T || wd[rank - 1] != k)
-    return invalid("dispatch_pack: expert_ids and weights must both be [..., T, k] with x's T");
-  if (P <= 0 || El <= 0 || C < 0) return invalid("dispatch_pack: num_ranks, experts_per_rank > 0, capacity >= 0");
-  const int64_t batch = leading_product(xd, 2), w = byte_width(dt), E = P * El;
+  auto dims = check_dispatch_pack(x, expert_ids, weights, *send_x, *send_ids, *send_w, *counts, *overflow, *slot,
+                                  num_ranks, experts_per_rank, capacity);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, T = dims->T, H = dims->H, k = dims->k, P = dims->P, El = dims->El, C = dims->C;
+  const int64_t w = byte_width(dtype_of(x.element_type())), E = P * El;
 
   const char* x_p = static_cast<const char*>(x.untyped_data());
   const int32_t* ids_p = expert_ids.typed_data();
@@ -97,18 +91,4 @@ ffi::Error DispatchPackImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_dispatch_pack, turbo_moe::DispatchPackImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., T, k] (global)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // send_x [..., P, C, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // send_ids [..., P, C, k] (local, -1)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // send_w [..., P, C, k]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // counts [..., P]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // overflow [..., P]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // slot [..., T, P] (-1: not sent)
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("experts_per_rank")
-                                  .Attr<int64_t>("capacity"));
+TURBO_MOE_CPU_HANDLER(turbo_moe_dispatch_pack, turbo_moe::DispatchPackImpl, turbo_moe::dispatch_pack_signature);

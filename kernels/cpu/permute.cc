@@ -6,6 +6,8 @@
 // Token copies are stably sorted by expert (counting sort in flat slot order t*k + j). A copy whose
 // expert id is outside [0, E) is dropped: row_index = -1, and the rows past sum(group_sizes) are
 // zero. Optional leading batch dims are shared by all operands.
+#include "../contracts/permute.h"
+#include "../contracts/registration.h"
 #include "common.h"
 
 namespace turbo_moe {
@@ -37,17 +39,10 @@ ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
                        ffi::Result<ffi::Buffer<ffi::S32>> row_index,
                        ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/, int64_t num_experts,
                        bool zero_tail) {
-  Dtype dt;
-  if (!to_dtype(x.element_type(), &dt) || x_sorted->element_type() != x.element_type())
-    return invalid("permute: x must be float32/bfloat16/float16 and x_sorted the same dtype");
-  auto xd = x.dimensions(), id = expert_ids.dimensions();
-  if (xd.size() < 2 || id.size() != xd.size())
-    return invalid("permute: expected x [..., T, H] and expert_ids [..., T, k]");
-  const int64_t rank = xd.size();
-  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = id[rank - 1], E = num_experts;
-  if (id[rank - 2] != T) return invalid("permute: expert_ids must have T rows like x");
-  if (E <= 0) return invalid("permute: num_experts must be positive");
-  const int64_t batch = leading_product(xd, 2), slots = T * k, w = byte_width(dt);
+  auto dims = check_permute(x, expert_ids, *x_sorted, *group_sizes, *row_index, num_experts);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, T = dims->T, H = dims->H, k = dims->k, E = dims->E, slots = dims->slots;
+  const int64_t w = byte_width(dtype_of(x.element_type()));
 
   const char* x_p = static_cast<const char*>(x.untyped_data());
   const int32_t* ids_p = expert_ids.typed_data();
@@ -78,16 +73,10 @@ ffi::Error PermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
 
 ffi::Error PermuteRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_index,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> x_sorted, bool zero_tail) {
-  Dtype dt;
-  if (!to_dtype(x.element_type(), &dt) || x_sorted->element_type() != x.element_type())
-    return invalid("permute_rows: x must be float32/bfloat16/float16 and x_sorted the same dtype");
-  auto xd = x.dimensions(), rd = row_index.dimensions(), gd = group_sizes.dimensions();
-  if (xd.size() < 2 || rd.size() != xd.size() || gd.size() + 1 != xd.size())
-    return invalid("permute_rows: expected x [..., T, H], row_index [..., T, k] and group_sizes [..., E]");
-  const int64_t rank = xd.size();
-  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = rd[rank - 1], E = gd[rank - 2];
-  if (rd[rank - 2] != T) return invalid("permute_rows: row_index must have T rows like x");
-  const int64_t batch = leading_product(xd, 2), row = H * byte_width(dt);
+  auto dims = check_permute_rows(x, row_index, group_sizes, *x_sorted);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, T = dims->T, H = dims->H, k = dims->k, E = dims->E;
+  const int64_t row = H * byte_width(dtype_of(x.element_type()));
   const char* x_p = static_cast<const char*>(x.untyped_data());
   char* xs_p = static_cast<char*>(x_sorted->untyped_data());
   std::vector<int64_t> totals(batch, 0);
@@ -100,23 +89,6 @@ ffi::Error PermuteRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute_rows, turbo_moe::PermuteRowsImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
-                                  .Attr<bool>("zero_tail"));                  // false: rows past the groups NaN
+TURBO_MOE_CPU_HANDLER(turbo_moe_permute_rows, turbo_moe::PermuteRowsImpl, turbo_moe::permute_rows_signature);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace (CUDA only; may be empty)
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<bool>("zero_tail"));                  // false: rows past the groups NaN
+TURBO_MOE_CPU_HANDLER(turbo_moe_permute, turbo_moe::PermuteImpl, turbo_moe::permute_signature);

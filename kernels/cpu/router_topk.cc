@@ -10,6 +10,8 @@
 #include <cmath>
 #include <limits>
 
+#include "../contracts/registration.h"
+#include "../contracts/router_topk.h"
 #include "common.h"
 
 namespace turbo_moe {
@@ -71,25 +73,10 @@ void select_token(const float* v, int64_t E, int64_t n_groups, int64_t topk_grou
 ffi::Error RouterTopkImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> selection, ffi::Buffer<ffi::F32> bias,
                           ffi::Result<ffi::Buffer<ffi::S32>> expert_ids, int64_t top_k, int64_t n_groups,
                           int64_t topk_groups, float penalty, int64_t chunk, int64_t prior_tokens) {
-  auto sd = selection.dimensions(), bd = bias.dimensions(), od = expert_ids->dimensions();
-  const int64_t rank = sd.size();
-  if (rank < 3 || static_cast<int64_t>(bd.size()) != rank - 2 || static_cast<int64_t>(od.size()) != rank)
-    return invalid("router_topk: expected selection [..., B, S, E], bias [..., E], expert_ids [..., B, S, k]");
-  const int64_t B = sd[rank - 3], S = sd[rank - 2], E = sd[rank - 1], k = top_k;
-  for (int64_t i = 0; i + 1 < static_cast<int64_t>(bd.size()); ++i)
-    if (bd[i] != sd[i]) return invalid("router_topk: bias must share selection's leading (vmap) dims");
-  if (bd[bd.size() - 1] != E) return invalid("router_topk: bias must have E entries like selection's last dim");
-  if (od[rank - 3] != B || od[rank - 2] != S || od[rank - 1] != k)
-    return invalid("router_topk: expert_ids must be [..., B, S, top_k]");
-  if (E <= 0 || n_groups <= 0 || E % n_groups != 0)
-    return invalid("router_topk: n_groups must be positive and divide the number of experts");
-  if (topk_groups <= 0 || topk_groups > n_groups) return invalid("router_topk: topk_groups must be in [1, n_groups]");
-  if (k <= 0 || k > topk_groups * (E / n_groups))
-    return invalid("router_topk: top_k must be in [1, experts of the topk_groups kept groups]");
-  if (!(penalty >= 0.0f) || !std::isfinite(penalty)) return invalid("router_topk: penalty must be finite and >= 0");
-  if (chunk <= 0 || prior_tokens <= 0) return invalid("router_topk: chunk and prior_tokens must be positive");
-
-  const int64_t sequences = leading_product(sd, 2);
+  auto dims = check_router_topk(selection, bias, *expert_ids, top_k, n_groups, topk_groups, penalty, chunk,
+                                prior_tokens);
+  if (!dims) return dims.error();
+  const int64_t B = dims->B, S = dims->S, E = dims->E, k = dims->k, sequences = dims->sequences;
   if (sequences == 0 || S == 0) return ffi::Error::Success();
   const float* sel_p = selection.typed_data();
   const float* bias_p = bias.typed_data();
@@ -122,15 +109,4 @@ ffi::Error RouterTopkImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> selection,
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_router_topk, turbo_moe::RouterTopkImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // selection [..., B, S, E]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // bias [..., E]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., B, S, k]
-                                  .Attr<int64_t>("top_k")
-                                  .Attr<int64_t>("n_groups")
-                                  .Attr<int64_t>("topk_groups")
-                                  .Attr<float>("penalty")          // float32, as JAX rounds the Python scalar
-                                  .Attr<int64_t>("chunk")          // tokens per chunk of a sequence
-                                  .Attr<int64_t>("prior_tokens"));  // router.SEQ_LOAD_PRIOR_TOKENS
+TURBO_MOE_CPU_HANDLER(turbo_moe_router_topk, turbo_moe::RouterTopkImpl, turbo_moe::router_topk_signature);

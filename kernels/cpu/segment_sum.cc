@@ -5,6 +5,8 @@
 // (turbo_moe/ops/segment_sum.py sorts them). The additions run in the CUDA kernel's order (kStrands strided
 // partial sums, added strand 0 first), so both handlers give the same bits. Optional leading (vmap) dims are
 // shared by all operands; segments run in parallel.
+#include "../contracts/registration.h"
+#include "../contracts/segment_sum.h"
 #include "common.h"
 
 namespace turbo_moe {
@@ -14,18 +16,11 @@ constexpr int64_t kStrands = 8;  // = kWarps of kernels/cuda/segment_sum.cu
 
 ffi::Error SegmentSumImpl(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> sorted_ids,
                           ffi::Buffer<ffi::S32> order, ffi::Result<ffi::AnyBuffer> out) {
-  Dtype dt;
-  if (!to_dtype(data.element_type(), &dt) || out->element_type() != data.element_type())
-    return invalid("segment_sum: data must be float32/bfloat16/float16 and out the same dtype");
-  auto dd = data.dimensions(), sd = sorted_ids.dimensions(), od = order.dimensions(), outd = out->dimensions();
-  const int64_t rank = dd.size();
-  if (rank < 2 || static_cast<int64_t>(sd.size()) != rank - 1 || static_cast<int64_t>(od.size()) != rank - 1 ||
-      static_cast<int64_t>(outd.size()) != rank)
-    return invalid("segment_sum: expected data [..., N, D], sorted_ids and order [..., N], out [..., V, D]");
-  const int64_t N = dd[rank - 2], D = dd[rank - 1], V = outd[rank - 2];
-  if (sd[rank - 2] != N || od[rank - 2] != N || outd[rank - 1] != D)
-    return invalid("segment_sum: sorted_ids and order must have data's N rows, out data's D columns");
-  const int64_t batch = leading_product(dd, 2), w = byte_width(dt);
+  auto dims = check_segment_sum(data, sorted_ids, order, *out);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, N = dims->N, D = dims->D, V = dims->V;
+  const Dtype dt = dtype_of(data.element_type());
+  const int64_t w = byte_width(dt);
   const char* data_p = static_cast<const char*>(data.untyped_data());
   char* out_p = static_cast<char*>(out->untyped_data());
   std::memset(out_p, 0, static_cast<size_t>(batch * V * D * w));
@@ -64,10 +59,4 @@ ffi::Error SegmentSumImpl(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::Buffer
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_segment_sum, turbo_moe::SegmentSumImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // data [..., N, D]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // sorted_ids [..., N], ascending
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // order [..., N]: row of data
-                                  .Ret<xla::ffi::AnyBuffer>());               // out [..., V, D]
+TURBO_MOE_CPU_HANDLER(turbo_moe_segment_sum, turbo_moe::SegmentSumImpl, turbo_moe::segment_sum_signature);

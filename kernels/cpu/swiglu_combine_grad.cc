@@ -13,6 +13,8 @@
 #include <cmath>
 #include <limits>
 
+#include "../contracts/registration.h"
+#include "../contracts/swiglu_combine_grad.h"
 #include "common.h"
 
 namespace turbo_moe {
@@ -21,24 +23,11 @@ namespace {
 ffi::Error SwigluCombineGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> w,
                                  ffi::Buffer<ffi::S32> valid, ffi::Result<ffi::AnyBuffer> d_h,
                                  ffi::Result<ffi::Buffer<ffi::F32>> d_w, ffi::Result<ffi::AnyBuffer> act_w) {
-  Dtype dt;
-  if (!to_dtype(h.element_type(), &dt) || g.element_type() != h.element_type() ||
-      d_h->element_type() != h.element_type() || act_w->element_type() != h.element_type())
-    return invalid("swiglu_combine_grad: h, g, d_h and act_w must share one dtype of float32/bfloat16/float16");
-  auto hd = h.dimensions(), gd = g.dimensions(), wd = w.dimensions();
-  const int64_t rank = hd.size();
-  if (rank < 1 || static_cast<int64_t>(gd.size()) != rank || static_cast<int64_t>(wd.size()) != rank - 1)
-    return invalid("swiglu_combine_grad: expected h [..., 2F], g [..., F] and w [...]");
-  const int64_t F = gd[rank - 1];
-  for (int64_t i = 0; i + 1 < rank; ++i)
-    if (gd[i] != hd[i] || wd[i] != hd[i]) return invalid("swiglu_combine_grad: h, g and w must share leading dims");
-  if (hd[rank - 1] != 2 * F) return invalid("swiglu_combine_grad: h must be [..., 2F] for g [..., F]");
-  if (act_w->dimensions().size() != gd.size() || !std::equal(gd.begin(), gd.end(), act_w->dimensions().begin()))
-    return invalid("swiglu_combine_grad: act_w must be [..., F] like g");
-  if (rank < 2 || static_cast<int64_t>(valid.dimensions().size()) != rank - 2 ||
-      !std::equal(valid.dimensions().begin(), valid.dimensions().end(), hd.begin()))
-    return invalid("swiglu_combine_grad: expected valid [...] (rows to compute of each [M, 2F] problem of h)");
-  const int64_t rows = leading_product(hd, 1), bw = byte_width(dt), M = hd[rank - 2];
+  auto dims = check_swiglu_combine_grad(h, g, w, valid, *d_h, *d_w, *act_w);
+  if (!dims) return dims.error();
+  const int64_t rows = dims->rows, M = dims->M, F = dims->F;
+  const Dtype dt = dtype_of(h.element_type());
+  const int64_t bw = byte_width(dt);
   const char* h_p = static_cast<const char*>(h.untyped_data());
   const char* g_p = static_cast<const char*>(g.untyped_data());
   const float* w_p = w.typed_data();
@@ -83,13 +72,5 @@ ffi::Error SwigluCombineGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::An
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_swiglu_combine_grad, turbo_moe::SwigluCombineGradImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // h [..., 2F]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // g [..., F]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // w [..., M]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // valid [...]: rows to compute
-                                  .Ret<xla::ffi::AnyBuffer>()                 // d_h [..., 2F]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_w [...]
-                                  .Ret<xla::ffi::AnyBuffer>());               // act_w [..., F]
+TURBO_MOE_CPU_HANDLER(turbo_moe_swiglu_combine_grad, turbo_moe::SwigluCombineGradImpl,
+                      turbo_moe::swiglu_combine_grad_signature);

@@ -6,6 +6,8 @@
 //                            d_weights[t, j] = <d_out[t], y[row_index[t, j]]>
 // Entries of row_index outside [0, R) (dropped copies) contribute nothing. row_index must not
 // repeat a row (permute never does), so each d_y row has one writer: deterministic.
+#include "../contracts/registration.h"
+#include "../contracts/unpermute.h"
 #include "common.h"
 
 namespace turbo_moe {
@@ -13,28 +15,12 @@ namespace {
 
 constexpr int64_t kChunk = 64;  // tokens per parallel work item
 
-ffi::Error check(const char* op, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_index,
-                 ffi::Buffer<ffi::F32> weights, int64_t* batch, int64_t* R, int64_t* H,
-                 int64_t* T, int64_t* k) {
-  auto yd = y.dimensions(), rd = row_index.dimensions(), wd = weights.dimensions();
-  if (yd.size() < 2 || rd.size() != yd.size() || wd.size() != yd.size())
-    return invalid(std::string(op) + ": expected y [..., R, H], row_index [..., T, k], weights [..., T, k]");
-  const int64_t rank = yd.size();
-  *R = yd[rank - 2]; *H = yd[rank - 1]; *T = rd[rank - 2]; *k = rd[rank - 1];
-  if (wd[rank - 2] != *T || wd[rank - 1] != *k)
-    return invalid(std::string(op) + ": weights must have the shape of row_index");
-  *batch = leading_product(yd, 2);
-  return ffi::Error::Success();
-}
-
 ffi::Error UnpermuteImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_index,
                          ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> out) {
-  Dtype dt;
-  if (!to_dtype(y.element_type(), &dt) || out->element_type() != y.element_type())
-    return invalid("unpermute: y must be float32/bfloat16/float16 and out the same dtype");
-  int64_t batch, R, H, T, k;
-  if (auto err = check("unpermute", y, row_index, weights, &batch, &R, &H, &T, &k); err.failure())
-    return err;
+  auto dims = check_unpermute(y, row_index, weights, *out);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, R = dims->R, H = dims->H, T = dims->T, k = dims->k;
+  const Dtype dt = dtype_of(y.element_type());
   const char* y_p = static_cast<const char*>(y.untyped_data());
   const int32_t* row_p = row_index.typed_data();
   const float* w_p = weights.typed_data();
@@ -63,13 +49,10 @@ ffi::Error UnpermuteBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer d_out, ffi::Any
                             ffi::Buffer<ffi::S32> row_index, ffi::Buffer<ffi::F32> weights,
                             ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
                             ffi::Result<ffi::AnyBuffer> /*workspace: the CUDA handler's, unused here*/) {
-  Dtype dt, g_dt;
-  if (!to_dtype(y.element_type(), &dt) || d_y->element_type() != y.element_type() ||
-      !to_dtype(d_out.element_type(), &g_dt))
-    return invalid("unpermute_bwd: y/d_y and d_out must be float32/bfloat16/float16");
-  int64_t batch, R, H, T, k;
-  if (auto err = check("unpermute_bwd", y, row_index, weights, &batch, &R, &H, &T, &k); err.failure())
-    return err;
+  auto dims = check_unpermute_bwd(d_out, y, row_index, weights, *d_y, *d_weights);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, R = dims->R, H = dims->H, T = dims->T, k = dims->k;
+  const Dtype dt = dtype_of(y.element_type()), g_dt = dtype_of(d_out.element_type());
   const char* g_p = static_cast<const char*>(d_out.untyped_data());
   const char* y_p = static_cast<const char*>(y.untyped_data());
   const int32_t* row_p = row_index.typed_data();
@@ -105,21 +88,6 @@ ffi::Error UnpermuteBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer d_out, ffi::Any
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_unpermute, turbo_moe::UnpermuteImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // y [..., R, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>());               // out [..., T, H]
+TURBO_MOE_CPU_HANDLER(turbo_moe_unpermute, turbo_moe::UnpermuteImpl, turbo_moe::unpermute_signature);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_unpermute_bwd, turbo_moe::UnpermuteBwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // d_out [..., T, H]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // y [..., R, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // d_y [..., R, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_weights [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>());               // workspace (CUDA only; may be empty)
+TURBO_MOE_CPU_HANDLER(turbo_moe_unpermute_bwd, turbo_moe::UnpermuteBwdImpl, turbo_moe::unpermute_bwd_signature);

@@ -1,5 +1,5 @@
-// Shared pieces of the CUDA FFI handlers: element conversion, dtype dispatch, error checks,
-// batch-dim helpers and the device-side group layout (no host sync anywhere).
+// Shared pieces of the CUDA FFI handlers: element conversion, dtype dispatch, CUDA error checks (the argument
+// checks: kernels/contracts) and the device-side group layout (no host sync anywhere).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "../contracts/contract.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace turbo_moe {
@@ -31,9 +32,6 @@ template <>
 __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
 inline int64_t byte_width(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
-inline bool is_float_type(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-}
 
 // Calls fn(T{}) with T the CUDA element type of `t` (F32/BF16/F16); false for other dtypes.
 template <typename Fn>
@@ -47,21 +45,11 @@ bool dispatch_float(ffi::DataType t, Fn&& fn) {
 }
 
 // ---- errors ------------------------------------------------------------------------------------
-inline ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(msg); }
-
 inline ffi::Error last_cuda_error(const char* where) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string(where) + ": " + cudaGetErrorString(err));
   return ffi::Error::Success();
-}
-
-// ---- batch dims --------------------------------------------------------------------------------
-// vmap uses `broadcast_all`: every operand carries the same leading batch dims.
-inline int64_t leading_product(ffi::AnyBuffer::Dimensions dims, int64_t core_rank) {
-  int64_t p = 1;
-  for (int64_t i = 0; i + core_rank < static_cast<int64_t>(dims.size()); ++i) p *= dims[i];
-  return p;
 }
 
 // A device attribute, asked once per device (the answer cannot change in a process); 0 when the query fails.

@@ -9,6 +9,9 @@
 // everything else (fp32, other GPUs, K or N not a multiple of 8) the portable kernels.
 #include "grouped_gemm.h"
 
+#include "../contracts/grouped_gemm.h"
+#include "../contracts/registration.h"
+
 namespace turbo_moe {
 namespace {
 
@@ -64,26 +67,14 @@ ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuf
                             ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, ffi::AnyBuffer workspace,
                             bool transpose_rhs, bool zero_tail, const int32_t** offsets) {
   if (offsets) *offsets = nullptr;
-  if (!is_float_type(lhs.element_type()) || rhs.element_type() != lhs.element_type())
-    return invalid("grouped_gemm: lhs and rhs must share one dtype of float32/bfloat16/float16");
-  if (!is_float_type(out.element_type()))
-    return invalid("grouped_gemm: output dtype must be float32/bfloat16/float16");
-  auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
-  if (ld.size() < 2 || rd.size() != ld.size() + 1 || gd.size() != ld.size() - 1)
-    return invalid("grouped_gemm: expected lhs [..., M, K], rhs [..., G, K, N], group_sizes [..., G]");
-  const int64_t rank = ld.size();
+  auto dims = check_grouped_gemm(lhs, rhs, group_sizes, out, transpose_rhs);
+  if (!dims) return dims.error();
   GroupedGemmArgs a;
-  a.M = ld[rank - 2];
-  a.K = ld[rank - 1];
-  a.G = rd[rank - 2];
-  a.N = transpose_rhs ? rd[rank - 1] : rd[rank];
-  const int64_t rhs_k = transpose_rhs ? rd[rank] : rd[rank - 1];
-  if (rhs_k != a.K || gd[rank - 2] != a.G)
-    return invalid("grouped_gemm: contraction dim or group count mismatch between lhs, rhs, group_sizes");
-  a.batch = leading_product(ld, 2);
-  if (leading_product(rd, 3) != a.batch || leading_product(gd, 1) != a.batch)
-    return invalid("grouped_gemm: operands must share the same leading batch dims");
-  if (a.M >= (int64_t{1} << 31)) return invalid("grouped_gemm: M must be < 2^31");
+  a.batch = dims->batch;
+  a.M = dims->M;
+  a.K = dims->K;
+  a.N = dims->N;
+  a.G = dims->G;
   a.lhs = lhs.untyped_data();
   a.rhs = rhs.untyped_data();
   a.out = out.untyped_data();
@@ -124,24 +115,14 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuff
 ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer d_out,
                                      ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d_rhs,
                                      ffi::Result<ffi::AnyBuffer> workspace) {
-  if (!is_float_type(lhs.element_type()) || d_out.element_type() != lhs.element_type())
-    return invalid("grouped_gemm_weight_grad: lhs and d_out must share one dtype of f32/bf16/f16");
-  if (!is_float_type(d_rhs->element_type()))
-    return invalid("grouped_gemm_weight_grad: output dtype must be float32/bfloat16/float16");
-  auto ld = lhs.dimensions(), dd = d_out.dimensions(), gd = group_sizes.dimensions();
-  auto od = d_rhs->dimensions();
-  if (ld.size() < 2 || dd.size() != ld.size() || gd.size() != ld.size() - 1 || od.size() != ld.size() + 1)
-    return invalid("grouped_gemm_weight_grad: expected lhs [..., M, K], d_out [..., M, N], group_sizes [..., G]");
-  const int64_t rank = ld.size();
+  auto dims = check_grouped_gemm_weight_grad(lhs, d_out, group_sizes, *d_rhs);
+  if (!dims) return dims.error();
   GroupedGemmArgs a;
-  a.M = ld[rank - 2];
-  a.K = ld[rank - 1];
-  a.N = dd[rank - 1];
-  a.G = gd[rank - 2];
-  if (dd[rank - 2] != a.M || od[rank - 1] != a.K || od[rank] != a.N || od[rank - 2] != a.G)
-    return invalid("grouped_gemm_weight_grad: shape mismatch between lhs, d_out and the result");
-  a.batch = leading_product(ld, 2);
-  if (a.M >= (int64_t{1} << 31)) return invalid("grouped_gemm_weight_grad: M must be < 2^31");
+  a.batch = dims->batch;
+  a.M = dims->M;
+  a.K = dims->K;
+  a.N = dims->N;
+  a.G = dims->G;
   a.lhs = lhs.untyped_data();
   a.rhs = d_out.untyped_data();
   a.out = d_rhs->untyped_data();
@@ -168,28 +149,11 @@ ffi::Error GroupedGemmWeightGradImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ff
 }  // namespace
 }  // namespace turbo_moe
 
-// Command-buffer compatible: no scratch, no host synchronisation, every launch on `stream`.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // rhs [..., G, K, N] or [..., G, N, K]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // out [..., M, N]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace [..., bytes] uint8
-                                  .Attr<bool>("transpose_rhs")
-                                  .Attr<bool>("zero_tail"),                   // false: rows past the groups unwritten
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// No scratch, no host synchronisation, every launch on `stream`: command-buffer compatible.
+TURBO_MOE_CUDA_HANDLER(turbo_moe_grouped_gemm, turbo_moe::GroupedGemmImpl, turbo_moe::grouped_gemm_signature);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // d_out [..., M, N]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // d_rhs [..., G, K, N]
-                                  .Ret<xla::ffi::AnyBuffer>(),                // workspace [..., bytes] uint8
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+TURBO_MOE_CUDA_HANDLER(turbo_moe_grouped_gemm_weight_grad, turbo_moe::GroupedGemmWeightGradImpl,
+                       turbo_moe::grouped_gemm_weight_grad_signature);
 
 // Workspace bytes one call takes for `batch` leading problems of `groups` groups (dtype: 0 bf16, 1 f16,
 // 2 f32), on the current device: what turbo_moe/ops/grouped_gemm.py gives each call.

@@ -8,6 +8,9 @@
 // the workspace is the grouped GEMM's (turbo_moe_grouped_gemm_workspace_bytes).
 #include "grouped_gemm.h"
 
+#include "../contracts/grouped_gemm_swiglu.h"
+#include "../contracts/registration.h"
+
 namespace turbo_moe {
 namespace {
 
@@ -56,23 +59,14 @@ ffi::Error GroupedGemmSwigluImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::A
                                  ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> h,
                                  ffi::Result<ffi::AnyBuffer> act, ffi::Result<ffi::AnyBuffer> workspace,
                                  bool transpose_rhs, bool zero_tail) {
-  if (!is_float_type(h->element_type()) || act->element_type() != h->element_type())
-    return invalid("grouped_gemm_swiglu: h and act must share one dtype of float32/bfloat16/float16");
-  auto hd = h->dimensions(), ad = act->dimensions();
-  const int64_t rank = hd.size();
-  if (rank < 2 || ad.size() != hd.size())
-    return invalid("grouped_gemm_swiglu: expected h [..., M, 2F] and act [..., M, F]");
-  const int64_t F = ad[rank - 1];
-  for (int64_t i = 0; i + 1 < rank; ++i)
-    if (ad[i] != hd[i]) return invalid("grouped_gemm_swiglu: h and act must share their leading dims");
-  if (hd[rank - 1] != 2 * F) return invalid("grouped_gemm_swiglu: h must be [..., M, 2F] for act [..., M, F]");
+  auto dims = check_grouped_gemm_swiglu(lhs, rhs, group_sizes, *h, *act, transpose_rhs);
+  if (!dims) return dims.error();
+  const int64_t F = dims->F, batch = dims->gemm.batch, M = dims->gemm.M, G = dims->gemm.G;
   const int32_t* offsets = nullptr;
   if (auto err = run_grouped_gemm(stream, lhs, rhs, group_sizes, *h, *workspace, transpose_rhs, zero_tail, &offsets);
       err.failure())
     return err;
-  const int64_t batch = leading_product(hd, 2), M = hd[rank - 2];
   if (offsets == nullptr || batch == 0 || M == 0 || F == 0) return ffi::Error::Success();
-  const int64_t G = group_sizes.dimensions().back();
   // 16-byte vectors when every row of h and act starts on a 16-byte boundary (F a multiple of the width).
   const bool aligned = (reinterpret_cast<uintptr_t>(h->untyped_data()) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(act->untyped_data()) % 16 == 0);
@@ -91,16 +85,6 @@ ffi::Error GroupedGemmSwigluImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::A
 }  // namespace
 }  // namespace turbo_moe
 
-// Command-buffer compatible like turbo_moe_grouped_gemm: no scratch, no host synchronisation.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_grouped_gemm_swiglu, turbo_moe::GroupedGemmSwigluImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // lhs [..., M, K]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // rhs [..., G, K, 2F] or [..., G, 2F, K]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., G]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // h [..., M, 2F]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // act [..., M, F]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace [..., bytes] uint8
-                                  .Attr<bool>("transpose_rhs")
-                                  .Attr<bool>("zero_tail"),                   // false: rows past the groups unwritten
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// No scratch, no host synchronisation, like turbo_moe_grouped_gemm: command-buffer compatible.
+TURBO_MOE_CUDA_HANDLER(turbo_moe_grouped_gemm_swiglu, turbo_moe::GroupedGemmSwigluImpl,
+                       turbo_moe::grouped_gemm_swiglu_signature);

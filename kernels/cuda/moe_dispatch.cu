@@ -5,6 +5,8 @@
 // A token goes once to each rank p owning any of its experts; slots are given in token order by a
 // block-wide scan per (batch, rank): deterministic, no global atomics, no host sync. Tokens past
 // the capacity C of a rank are counted in overflow[p] and get slot -1. Unused slots are zero.
+#include "../contracts/moe_dispatch.h"
+#include "../contracts/registration.h"
 #include "block_scan.cuh"
 #include "common.cuh"
 #include "row_copy.cuh"
@@ -93,18 +95,10 @@ ffi::Error DispatchPackImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
                             ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> overflow,
                             ffi::Result<ffi::Buffer<ffi::S32>> slot, int64_t num_ranks, int64_t experts_per_rank,
                             int64_t capacity) {
-  if (!is_float_type(x.element_type()) || send_x->element_type() != x.element_type())
-    return invalid("dispatch_pack: x must be float32/bfloat16/float16 and send_x the same dtype");
-  auto xd = x.dimensions(), id = expert_ids.dimensions(), wd = weights.dimensions();
-  if (xd.size() < 2 || id.size() != xd.size() || wd.size() != xd.size())
-    return invalid("dispatch_pack: expected x [..., T, H], expert_ids and weights [..., T, k]");
-  const int64_t rank = xd.size();
-  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = id[rank - 1];
-  const int64_t P = num_ranks, El = experts_per_rank, C = capacity;
-  if (id[rank - 2] != T || wd[rank - 2] != T || wd[rank - 1] != k)
-    return invalid("dispatch_pack: expert_ids and weights must both be [..., T, k] with x's T");
-  if (P <= 0 || El <= 0 || C < 0) return invalid("dispatch_pack: num_ranks, experts_per_rank > 0, capacity >= 0");
-  const int64_t batch = leading_product(xd, 2);
+  auto dims = check_dispatch_pack(x, expert_ids, weights, *send_x, *send_ids, *send_w, *counts, *overflow, *slot,
+                                  num_ranks, experts_per_rank, capacity);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, T = dims->T, H = dims->H, k = dims->k, P = dims->P, El = dims->El, C = dims->C;
   if (batch == 0 || P * C == 0) return ffi::Error::Success();
   dispatch_slots_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>(batch)), kScanThreads, 0, stream>>>(
       expert_ids.typed_data(), weights.typed_data(), T, k, P, El, C, send_ids->typed_data(),
@@ -129,19 +123,4 @@ ffi::Error DispatchPackImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_dispatch_pack, turbo_moe::DispatchPackImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., T, k] (global)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // send_x [..., P, C, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // send_ids [..., P, C, k]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // send_w [..., P, C, k]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // counts [..., P]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // overflow [..., P]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // slot [..., T, P]
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("experts_per_rank")
-                                  .Attr<int64_t>("capacity"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+TURBO_MOE_CUDA_HANDLER(turbo_moe_dispatch_pack, turbo_moe::DispatchPackImpl, turbo_moe::dispatch_pack_signature);

@@ -12,6 +12,8 @@
 //   4. one warp per slot copies the token's row; rows past the valid total are zero-filled.
 // The counts live in a workspace result that Python sizes with turbo_moe_permute_workspace_bytes (not
 // XLA scratch, which is per call and keeps a handler out of XLA's command buffers).
+#include "../contracts/permute.h"
+#include "../contracts/registration.h"
 #include "block_scan.cuh"
 #include "common.cuh"
 #include "row_copy.cuh"
@@ -128,18 +130,9 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                        ffi::Result<ffi::Buffer<ffi::S32>> row_index, ffi::Result<ffi::AnyBuffer> workspace,
                        int64_t num_experts, bool zero_tail) {
-  if (!is_float_type(x.element_type()) || x_sorted->element_type() != x.element_type())
-    return invalid("permute: x must be float32/bfloat16/float16 and x_sorted the same dtype");
-  auto xd = x.dimensions(), id = expert_ids.dimensions();
-  if (xd.size() < 2 || id.size() != xd.size())
-    return invalid("permute: expected x [..., T, H] and expert_ids [..., T, k]");
-  const int64_t rank = xd.size();
-  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = id[rank - 1], E = num_experts;
-  if (id[rank - 2] != T) return invalid("permute: expert_ids must have T rows like x");
-  if (E <= 0) return invalid("permute: num_experts must be positive");
-  if (E > 8192) return invalid("permute: num_experts must be <= 8192 on CUDA");
-  const int64_t batch = leading_product(xd, 2), slots = T * k;
-  if (slots >= (int64_t{1} << 31)) return invalid("permute: T * k must be < 2^31");
+  auto dims = check_permute(x, expert_ids, *x_sorted, *group_sizes, *row_index, num_experts);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, T = dims->T, H = dims->H, k = dims->k, E = dims->E, slots = dims->slots;
   if (batch == 0) return ffi::Error::Success();
   if (slots == 0) {  // nothing routed: every group is empty
     cudaMemsetAsync(group_sizes->typed_data(), 0, batch * E * sizeof(int32_t), stream);
@@ -204,16 +197,9 @@ __global__ void zero_rows_past_groups_kernel(char* data, int64_t rows, int64_t r
 
 ffi::Error PermuteRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_index,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> x_sorted, bool zero_tail) {
-  if (!is_float_type(x.element_type()) || x_sorted->element_type() != x.element_type())
-    return invalid("permute_rows: x must be float32/bfloat16/float16 and x_sorted the same dtype");
-  auto xd = x.dimensions(), rd = row_index.dimensions(), gd = group_sizes.dimensions();
-  if (xd.size() < 2 || rd.size() != xd.size() || gd.size() + 1 != xd.size())
-    return invalid("permute_rows: expected x [..., T, H], row_index [..., T, k] and group_sizes [..., E]");
-  const int64_t rank = xd.size();
-  const int64_t T = xd[rank - 2], H = xd[rank - 1], k = rd[rank - 1], E = gd[rank - 2];
-  if (rd[rank - 2] != T) return invalid("permute_rows: row_index must have T rows like x");
-  const int64_t batch = leading_product(xd, 2), slots = T * k;
-  if (slots >= (int64_t{1} << 31)) return invalid("permute_rows: T * k must be < 2^31");
+  auto dims = check_permute_rows(x, row_index, group_sizes, *x_sorted);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, T = dims->T, H = dims->H, k = dims->k, E = dims->E, slots = dims->slots;
   const int64_t row_bytes = H * byte_width(x.element_type());
   if (batch == 0 || slots == 0 || row_bytes == 0) return ffi::Error::Success();
   const char* x_p = static_cast<const char*>(x.untyped_data());
@@ -232,29 +218,10 @@ ffi::Error PermuteRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute_rows, turbo_moe::PermuteRowsImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
-                                  .Attr<bool>("zero_tail"),                   // false: rows past the groups unwritten
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+TURBO_MOE_CUDA_HANDLER(turbo_moe_permute_rows, turbo_moe::PermuteRowsImpl, turbo_moe::permute_rows_signature);
 
-// Command-buffer compatible: no scratch, no host synchronisation, every launch on `stream`.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_permute, turbo_moe::PermuteImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // x [..., T, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // x_sorted [..., T*k, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // group_sizes [..., E]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace [..., bytes] uint8
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<bool>("zero_tail"),                   // false: rows past the groups unwritten
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// No scratch, no host synchronisation, every launch on `stream`: command-buffer compatible.
+TURBO_MOE_CUDA_HANDLER(turbo_moe_permute, turbo_moe::PermuteImpl, turbo_moe::permute_signature);
 
 // Workspace bytes of one permute call over `batch` leading problems of `slots` = T * k copies and E experts.
 extern "C" int64_t turbo_moe_permute_workspace_bytes(int64_t batch, int64_t slots, int64_t num_experts) {

@@ -8,19 +8,21 @@
 //     allow it, on a cluster of up to 8 blocks per sequence on Hopper (penalized_cluster_kernel), else on
 //     one block (penalized_lanes_kernel); one thread each otherwise (penalized_kernel).
 //   penalty == 0 (or one chunk): no dependence, a grid over all tokens.
-// Limits (checked here and in turbo_moe/ops/router_topk.py): E <= 4096 (three E-vectors in 48 KB of
+// Limits (kernels/contracts/router_topk.h and turbo_moe/ops/router_topk.py): E <= 4096 (three E-vectors in 48 KB of
 // shared memory), n_groups <= 64 (a 64-bit mask of kept groups), top_k <= 32 (per-thread arrays).
 // Values are read again from global memory rather than held: L1 serves the repeats.
 #include <cooperative_groups.h>
 
 #include <cmath>
 
+#include "../contracts/registration.h"
+#include "../contracts/router_topk.h"
 #include "common.cuh"
 
 namespace turbo_moe {
 namespace {
 
-constexpr int64_t kMaxExperts = 4096, kMaxGroups = 64, kMaxTopK = 32;
+constexpr int64_t kMaxGroups = kRouterMaxGroups, kMaxTopK = kRouterMaxTopK;  // the contract's bounds
 constexpr unsigned kMaxCluster = 8;  // blocks per sequence in the cluster walk (the portable cluster size)
 
 // a ranks before b: larger value, ties to the lower index (jax.lax.top_k's order).
@@ -345,26 +347,10 @@ bool launch_penalized_lanes(const float* sel, const float* bias, int32_t* ids, c
 ffi::Error RouterTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> selection, ffi::Buffer<ffi::F32> bias,
                           ffi::Result<ffi::Buffer<ffi::S32>> expert_ids, int64_t top_k, int64_t n_groups,
                           int64_t topk_groups, float penalty, int64_t chunk, int64_t prior_tokens) {
-  auto sd = selection.dimensions(), bd = bias.dimensions(), od = expert_ids->dimensions();
-  const int64_t rank = sd.size();
-  if (rank < 3 || static_cast<int64_t>(bd.size()) != rank - 2 || static_cast<int64_t>(od.size()) != rank)
-    return invalid("router_topk: expected selection [..., B, S, E], bias [..., E], expert_ids [..., B, S, k]");
-  const int64_t B = sd[rank - 3], S = sd[rank - 2], E = sd[rank - 1], k = top_k;
-  for (int64_t i = 0; i + 1 < static_cast<int64_t>(bd.size()); ++i)
-    if (bd[i] != sd[i]) return invalid("router_topk: bias must share selection's leading (vmap) dims");
-  if (bd[bd.size() - 1] != E) return invalid("router_topk: bias must have E entries like selection's last dim");
-  if (od[rank - 3] != B || od[rank - 2] != S || od[rank - 1] != k)
-    return invalid("router_topk: expert_ids must be [..., B, S, top_k]");
-  if (E <= 0 || E > kMaxExperts) return invalid("router_topk: the number of experts must be in [1, 4096] on CUDA");
-  if (n_groups <= 0 || n_groups > kMaxGroups || E % n_groups != 0)
-    return invalid("router_topk: n_groups must be in [1, 64] and divide the number of experts");
-  if (topk_groups <= 0 || topk_groups > n_groups) return invalid("router_topk: topk_groups must be in [1, n_groups]");
-  if (k <= 0 || k > kMaxTopK || k > topk_groups * (E / n_groups))
-    return invalid("router_topk: top_k must be in [1, min(32, experts of the topk_groups kept groups)]");
-  if (!(penalty >= 0.0f) || !isfinite(penalty)) return invalid("router_topk: penalty must be finite and >= 0");
-  if (chunk <= 0 || prior_tokens <= 0) return invalid("router_topk: chunk and prior_tokens must be positive");
-
-  const int64_t sequences = leading_product(sd, 2);
+  auto dims = check_router_topk(selection, bias, *expert_ids, top_k, n_groups, topk_groups, penalty, chunk,
+                                prior_tokens);
+  if (!dims) return dims.error();
+  const int64_t B = dims->B, S = dims->S, E = dims->E, k = dims->k, sequences = dims->sequences;
   if (sequences == 0 || S == 0) return ffi::Error::Success();
   const Shape shape{B, S, E, sequences, static_cast<int>(n_groups), static_cast<int>(topk_groups),
                     static_cast<int>(k)};
@@ -372,7 +358,6 @@ ffi::Error RouterTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> selection, 
   const float* bias_p = bias.typed_data();
   int32_t* ids_p = expert_ids->typed_data();
   if (penalty > 0.0f && chunk < S) {
-    if (sequences > INT32_MAX) return invalid("router_topk: too many sequences for one grid");
     // Threads: the chunk's tokens (each block walks one sequence; a chunk is its unit of parallel work).
     if (!launch_penalized_lanes(sel_p, bias_p, ids_p, shape, penalty, chunk, prior_tokens, stream)) {
       const int threads = static_cast<int>(std::min<int64_t>(256, ceil_div(chunk, 32) * 32));
@@ -381,8 +366,7 @@ ffi::Error RouterTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> selection, 
           sel_p, bias_p, ids_p, shape, penalty, chunk, prior_tokens);
     }
   } else {
-    const int64_t blocks = ceil_div(sequences * S, 128);
-    if (blocks > INT32_MAX) return invalid("router_topk: too many tokens for one grid");
+    const int64_t blocks = ceil_div(sequences * S, 128);  // < 2^24: the contract bounds the tokens
     plain_kernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(sel_p, bias_p, ids_p, shape);
   }
   return last_cuda_error("router_topk");
@@ -391,17 +375,5 @@ ffi::Error RouterTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> selection, 
 }  // namespace
 }  // namespace turbo_moe
 
-// Command-buffer compatible: no scratch memory, no host sync, launch shapes fixed by the operand shapes.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_router_topk, turbo_moe::RouterTopkImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // selection [..., B, S, E]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // bias [..., E]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()     // expert_ids [..., B, S, k]
-                                  .Attr<int64_t>("top_k")
-                                  .Attr<int64_t>("n_groups")
-                                  .Attr<int64_t>("topk_groups")
-                                  .Attr<float>("penalty")          // float32, as JAX rounds the Python scalar
-                                  .Attr<int64_t>("chunk")          // tokens per chunk of a sequence
-                                  .Attr<int64_t>("prior_tokens"),  // router.SEQ_LOAD_PRIOR_TOKENS
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// No scratch memory, no host sync, launch shapes fixed by the operand shapes: command-buffer compatible.
+TURBO_MOE_CUDA_HANDLER(turbo_moe_router_topk, turbo_moe::RouterTopkImpl, turbo_moe::router_topk_signature);

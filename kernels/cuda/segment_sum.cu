@@ -6,6 +6,8 @@
 // tokens) serialise on them (15-60 ms for 16,384 rows, experiments/NOTES.md). Here each segment is summed by
 // one block per column slab, rows split over its warps, the warps' partials added in a fixed order:
 // deterministic, no atomics, cost N x D reads + V x D writes whatever the ids' distribution.
+#include "../contracts/registration.h"
+#include "../contracts/segment_sum.h"
 #include "common.cuh"
 
 namespace turbo_moe {
@@ -105,19 +107,9 @@ void launch(const void* data, const int32_t* sorted_ids, const int32_t* order, v
 
 ffi::Error SegmentSumImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> sorted_ids,
                           ffi::Buffer<ffi::S32> order, ffi::Result<ffi::AnyBuffer> out) {
-  if (!is_float_type(data.element_type()) || out->element_type() != data.element_type())
-    return invalid("segment_sum: data must be float32/bfloat16/float16 and out the same dtype");
-  auto dd = data.dimensions(), sd = sorted_ids.dimensions(), od = order.dimensions(), outd = out->dimensions();
-  const int64_t rank = dd.size();
-  if (rank < 2 || static_cast<int64_t>(sd.size()) != rank - 1 || static_cast<int64_t>(od.size()) != rank - 1 ||
-      static_cast<int64_t>(outd.size()) != rank)
-    return invalid("segment_sum: expected data [..., N, D], sorted_ids and order [..., N], out [..., V, D]");
-  const int64_t N = dd[rank - 2], D = dd[rank - 1], V = outd[rank - 2];
-  if (sd[rank - 2] != N || od[rank - 2] != N || outd[rank - 1] != D)
-    return invalid("segment_sum: sorted_ids and order must have data's N rows, out data's D columns");
-  if (N >= (int64_t{1} << 31) || V >= (int64_t{1} << 31)) return invalid("segment_sum: N and V must be < 2^31");
-  const int64_t batch = leading_product(dd, 2), w = byte_width(data.element_type());
-  if (batch > 65535) return invalid("segment_sum: at most 65535 leading (batch) problems on CUDA");
+  auto dims = check_segment_sum(data, sorted_ids, order, *out);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, N = dims->N, D = dims->D, V = dims->V, w = byte_width(data.element_type());
   if (batch == 0 || V == 0 || D == 0) return ffi::Error::Success();
   cudaMemsetAsync(out->untyped_data(), 0, static_cast<size_t>(batch * V * D * w), stream);  // rows of absent ids
   if (N > 0) {
@@ -133,12 +125,5 @@ ffi::Error SegmentSumImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::Buffer<
 }  // namespace
 }  // namespace turbo_moe
 
-// Command-buffer compatible: no scratch, no host synchronisation, every launch on `stream`.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_segment_sum, turbo_moe::SegmentSumImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // data [..., N, D]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // sorted_ids [..., N], ascending
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // order [..., N]: row of data
-                                  .Ret<xla::ffi::AnyBuffer>(),                // out [..., V, D]
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+// No scratch, no host synchronisation, every launch on `stream`: command-buffer compatible.
+TURBO_MOE_CUDA_HANDLER(turbo_moe_segment_sum, turbo_moe::SegmentSumImpl, turbo_moe::segment_sum_signature);

@@ -8,6 +8,8 @@
 // One warp per row: h and g are read once, d_h and act_w written once, d_w a fixed-order warp reduction
 // (deterministic). As XLA fusions the results read h three times (experiments/NOTES.md, issue 14). Same contract as
 // kernels/cpu/swiglu_combine_grad.cc. No scratch, no host sync: safe in XLA's command buffers.
+#include "../contracts/registration.h"
+#include "../contracts/swiglu_combine_grad.h"
 #include "common.cuh"
 
 namespace turbo_moe {
@@ -68,25 +70,10 @@ void launch(const void* h, const void* g, const float* w, void* d_h, float* d_w,
 ffi::Error SwigluCombineGradImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> w,
                                  ffi::Buffer<ffi::S32> valid, ffi::Result<ffi::AnyBuffer> d_h,
                                  ffi::Result<ffi::Buffer<ffi::F32>> d_w, ffi::Result<ffi::AnyBuffer> act_w) {
-  if (!is_float_type(h.element_type()) || g.element_type() != h.element_type() ||
-      d_h->element_type() != h.element_type() || act_w->element_type() != h.element_type())
-    return invalid("swiglu_combine_grad: h, g, d_h and act_w must share one dtype of float32/bfloat16/float16");
-  auto hd = h.dimensions(), gd = g.dimensions(), wd = w.dimensions();
-  const int64_t rank = hd.size();
-  if (rank < 1 || static_cast<int64_t>(gd.size()) != rank || static_cast<int64_t>(wd.size()) != rank - 1)
-    return invalid("swiglu_combine_grad: expected h [..., 2F], g [..., F] and w [...]");
-  const int64_t F = gd[rank - 1];
-  for (int64_t i = 0; i + 1 < rank; ++i)
-    if (gd[i] != hd[i] || wd[i] != hd[i]) return invalid("swiglu_combine_grad: h, g and w must share leading dims");
-  if (hd[rank - 1] != 2 * F) return invalid("swiglu_combine_grad: h must be [..., 2F] for g [..., F]");
-  if (act_w->dimensions().size() != gd.size() || !std::equal(gd.begin(), gd.end(), act_w->dimensions().begin()))
-    return invalid("swiglu_combine_grad: act_w must be [..., F] like g");
-  if (rank < 2 || static_cast<int64_t>(valid.dimensions().size()) != rank - 2 ||
-      !std::equal(valid.dimensions().begin(), valid.dimensions().end(), hd.begin()))
-    return invalid("swiglu_combine_grad: expected valid [...] (rows to compute of each [M, 2F] problem of h)");
-  const int64_t rows = leading_product(hd, 1), M = hd[rank - 2];
+  auto dims = check_swiglu_combine_grad(h, g, w, valid, *d_h, *d_w, *act_w);
+  if (!dims) return dims.error();
+  const int64_t rows = dims->rows, M = dims->M, F = dims->F;
   if (rows == 0) return ffi::Error::Success();
-  if (rows >= (int64_t{1} << 36)) return invalid("swiglu_combine_grad: too many rows");
   const void *h_p = h.untyped_data(), *g_p = g.untyped_data();
   void *dh_p = d_h->untyped_data(), *aw_p = act_w->untyped_data();
   // 16-byte packs when every row of h, g, d_h and act_w starts on a 16-byte boundary (F a multiple of the width).
@@ -107,14 +94,5 @@ ffi::Error SwigluCombineGradImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Any
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_swiglu_combine_grad, turbo_moe::SwigluCombineGradImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // h [..., 2F]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // g [..., F]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // w [..., M]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // valid [...]: rows to compute
-                                  .Ret<xla::ffi::AnyBuffer>()                 // d_h [..., 2F]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_w [...]
-                                  .Ret<xla::ffi::AnyBuffer>(),                // act_w [..., F]
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+TURBO_MOE_CUDA_HANDLER(turbo_moe_swiglu_combine_grad, turbo_moe::SwigluCombineGradImpl,
+                       turbo_moe::swiglu_combine_grad_signature);

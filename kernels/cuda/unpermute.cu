@@ -10,6 +10,8 @@
 // row -> slot inverse (in a workspace result sized by turbo_moe_unpermute_bwd_workspace_bytes), then one
 // warp per d_y row. Rows move in vectors of up to 16 bytes. No XLA scratch: both are safe for XLA's
 // command buffers.
+#include "../contracts/registration.h"
+#include "../contracts/unpermute.h"
 #include "common.cuh"
 
 namespace turbo_moe {
@@ -123,30 +125,11 @@ bool can_pack(int64_t H, std::initializer_list<const void*> ptrs) {
   return ok;
 }
 
-ffi::Error check(const char* op, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_index,
-                 ffi::Buffer<ffi::F32> weights, int64_t* batch, int64_t* R, int64_t* H, int64_t* T,
-                 int64_t* k) {
-  auto yd = y.dimensions(), rd = row_index.dimensions(), wd = weights.dimensions();
-  if (yd.size() < 2 || rd.size() != yd.size() || wd.size() != yd.size())
-    return invalid(std::string(op) + ": expected y [..., R, H], row_index [..., T, k], weights [..., T, k]");
-  const int64_t rank = yd.size();
-  *R = yd[rank - 2];
-  *H = yd[rank - 1];
-  *T = rd[rank - 2];
-  *k = rd[rank - 1];
-  if (wd[rank - 2] != *T || wd[rank - 1] != *k)
-    return invalid(std::string(op) + ": weights must have the shape of row_index");
-  *batch = leading_product(yd, 2);
-  if (*batch * *T >= (int64_t{1} << 31)) return invalid(std::string(op) + ": batch * T must be < 2^31");
-  return ffi::Error::Success();
-}
-
 ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_index,
                          ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> out) {
-  if (!is_float_type(y.element_type()) || out->element_type() != y.element_type())
-    return invalid("unpermute: y must be float32/bfloat16/float16 and out the same dtype");
-  int64_t batch, R, H, T, k;
-  if (auto err = check("unpermute", y, row_index, weights, &batch, &R, &H, &T, &k); err.failure()) return err;
+  auto dims = check_unpermute(y, row_index, weights, *out);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, R = dims->R, H = dims->H, T = dims->T, k = dims->k;
   if (batch * T == 0 || H == 0) return ffi::Error::Success();
   dispatch_float(y.element_type(), [&](auto tag) {
     using E = decltype(tag);
@@ -167,13 +150,9 @@ ffi::Error UnpermuteBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
                             ffi::Buffer<ffi::S32> row_index, ffi::Buffer<ffi::F32> weights,
                             ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
                             ffi::Result<ffi::AnyBuffer> workspace) {
-  if (!is_float_type(y.element_type()) || d_y->element_type() != y.element_type() ||
-      !is_float_type(d_out.element_type()))
-    return invalid("unpermute_bwd: y/d_y and d_out must be float32/bfloat16/float16");
-  int64_t batch, R, H, T, k;
-  if (auto err = check("unpermute_bwd", y, row_index, weights, &batch, &R, &H, &T, &k); err.failure())
-    return err;
-  if (batch * R >= (int64_t{1} << 31)) return invalid("unpermute_bwd: batch * R must be < 2^31");
+  auto dims = check_unpermute_bwd(d_out, y, row_index, weights, *d_y, *d_weights);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, R = dims->R, H = dims->H, T = dims->T, k = dims->k;
   const size_t need = static_cast<size_t>(batch * R) * sizeof(int32_t);
   if (workspace->size_bytes() < need)
     return invalid("unpermute_bwd: workspace of " + std::to_string(workspace->size_bytes()) + " bytes, this call needs " +
@@ -211,26 +190,9 @@ ffi::Error UnpermuteBwdImpl(cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyB
 }  // namespace
 }  // namespace turbo_moe
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_unpermute, turbo_moe::UnpermuteImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // y [..., R, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>(),                // out [..., T, H]
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+TURBO_MOE_CUDA_HANDLER(turbo_moe_unpermute, turbo_moe::UnpermuteImpl, turbo_moe::unpermute_signature);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(turbo_moe_unpermute_bwd, turbo_moe::UnpermuteBwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // d_out [..., T, H]
-                                  .Arg<xla::ffi::AnyBuffer>()                 // y [..., R, H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_index [..., T, k]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // weights [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>()                 // d_y [..., R, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()     // d_weights [..., T, k]
-                                  .Ret<xla::ffi::AnyBuffer>(),                // workspace [..., bytes] uint8
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+TURBO_MOE_CUDA_HANDLER(turbo_moe_unpermute_bwd, turbo_moe::UnpermuteBwdImpl, turbo_moe::unpermute_bwd_signature);
 
 // Workspace bytes of one unpermute_bwd call over `batch` leading problems of R rows (the row -> slot inverse).
 extern "C" int64_t turbo_moe_unpermute_bwd_workspace_bytes(int64_t batch, int64_t rows) {

@@ -71,8 +71,8 @@ seq_len = 64
 steps = 3
 dataset = "synthetic"
 train_overrides = {"skip_steps_for_tgs": 1}
-results_dir = "slice_results"
-table = "full_deepseek"""
+table = "full_deepseek"
+results_dir = "slice_results\""""
 TOKEN = "turbo-moe-browser-test"
 # What a saved notebook must never show as text: an object's default repr (e.g. a pandas Styler's).
 OBJECT_REPR = re.compile(r"<[\w.]+ (?:object )?at 0x[0-9a-fA-F]+>")
@@ -199,7 +199,7 @@ def _open(driver, url: str, name: str) -> None:
     driver.get(f"{url}/lab/tree/{name}?token={TOKEN}")
     _wait(driver, _PANEL + "return !!(nb && nb.content && nb.content.model && nb.sessionContext"
                   " && nb.sessionContext.session && nb.sessionContext.session.kernel"
-                  " && nb.sessionContext.session.kernel.status === 'idle');", 120, f"{name} and its kernel")
+                  " && nb.sessionContext.session.kernel.status === 'idle');", 300, f"{name} and its kernel")
     time.sleep(1)
     # Opening alone must not modify the notebook (its language_info matches what the kernel reports).
     assert driver.execute_script(_PANEL + "return nb.context.model.dirty;") is False

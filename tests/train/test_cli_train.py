@@ -180,7 +180,8 @@ def test_train_writes_its_record_and_resumes(tmp_path, config_file, monkeypatch)
                  "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     ckpt = tmp_path / "ckpt"
-    common = ["model_overrides.n_layers=2", "model_overrides.mtp_depth=0", "per_device_batch=1", "expert_parallel=2", "eval_batches=0", "progress=false", "lr_schedule_steps=6",
+    common = ["model_overrides.n_layers=2", "model_overrides.mtp_depth=0", "per_device_batch=1", "expert_parallel=2",
+              "eval_batches=0", "progress=false", "lr_schedule_steps=6",
               "warmup_steps=1", f"checkpoint_dir={ckpt}"]
     assert main(["train", str(config_file), "--set", "steps=4", *(a for s in common for a in ("--set", s))]) == 0
     first = json.loads((ckpt / "record.json").read_text())

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import io
 import json
 import math
 import subprocess

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from turbo_moe.model.mesh import batch_summed
 from turbo_moe.ops.segment_sum import segment_sum
 
 
@@ -28,8 +29,6 @@ def _fwd(table, ids):
 
 
 def _segment_bwd(res, g):
-    from turbo_moe.model.expert_parallel import batch_summed  # here: that module imports the model's
-
     ids, table_type, vocab = res
     d = g.shape[-1]
 

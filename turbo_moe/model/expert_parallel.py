@@ -27,42 +27,12 @@ from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
 from turbo_moe.model.ep_exchange import deepep_capacity
 from turbo_moe.model.experts import ExpertStats, ExpertWeights
 from turbo_moe.model.gemms import require
+from turbo_moe.model.mesh import (  # noqa: F401  (expert_axis_size, mesh_device_count: re-exported)
+    EXPERT_AXIS, expert_axis_size, mesh_device_count, mesh_or_ambient, mesh_platform)
 from turbo_moe.model.paths import build_exchange, path_row, run_exchange
 from turbo_moe.model.router import Routing
 from turbo_moe.ops.ragged_exchange import default_impl
 from turbo_moe.ops.varying import make_varying
-
-EXPERT_AXIS = "expert"
-
-
-def _mesh_or_ambient(mesh):
-    if mesh is not None:
-        return mesh
-    ambient = jax.sharding.get_abstract_mesh()
-    if ambient is None or ambient.empty:
-        raise ValueError("mesh: no mesh given and no ambient mesh set (use `jax.set_mesh(mesh)` or pass mesh=)")
-    return ambient
-
-
-def _mesh_shape(mesh=None) -> dict:
-    """{axis: size} of `mesh` (or the ambient mesh); {} when there is none."""
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh is None or mesh.empty:
-            return {}
-    return dict(mesh.shape)
-
-
-def expert_axis_size(mesh=None, expert_axis: str = EXPERT_AXIS) -> int:
-    """Size of `expert_axis` in `mesh` (or the ambient mesh); 1 when there is no mesh or no such axis."""
-    return _mesh_shape(mesh).get(expert_axis, 1)
-
-
-def _platform(mesh) -> str:
-    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
-        return mesh.devices.flat[0].platform
-    return jax.default_backend()  # an abstract (ambient) mesh names no devices
-
 
 def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
     """Expert weights typed as varying over every mesh axis, like the tokens they meet.
@@ -90,10 +60,10 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
     row = path_row(path, ep_exchange)
     if not (isinstance(ep_capacity_factor, (int, float)) and math.isfinite(ep_capacity_factor)):
         raise ValueError(f"ep_capacity_factor: must be a finite number, got {ep_capacity_factor!r}")
-    mesh = _mesh_or_ambient(mesh)
+    mesh = mesh_or_ambient(mesh)
     if expert_axis not in mesh.axis_names:
         raise ValueError(f"mesh: has axes {mesh.axis_names}, no expert axis {expert_axis!r}")
-    impl = exchange_impl or default_impl(_platform(mesh))
+    impl = exchange_impl or default_impl(mesh_platform(mesh))
     batch_axes = tuple(mesh.axis_names)  # tokens are split over every device
     n_devices = math.prod(dict(mesh.shape).values())
     n_ranks = dict(mesh.shape)[expert_axis]
@@ -133,58 +103,13 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
     return run
 
 
-def mesh_device_count(mesh=None) -> int:
-    """Devices of `mesh` (or the ambient mesh); 1 when there is none."""
-    return math.prod(_mesh_shape(mesh).values())
-
-
-def batch_sharded(fn: Callable, *, mesh=None) -> Callable:
-    """`fn(x, *replicated)` run per device on its shard of x's leading (batch) axis inside `shard_map`, on a mesh of
-    more than one device; `fn` itself otherwise, or when the batch does not divide over the devices. For FFI
-    calls whose rows are independent (the router's choice): XLA's partitioner would replicate them instead, each
-    device running the whole global batch."""
-    n_devices = mesh_device_count(mesh)
-    if n_devices <= 1:
-        return fn
-
-    def run(x, *replicated):
-        if x.shape[0] % n_devices:
-            return fn(x, *replicated)
-        m = _mesh_or_ambient(mesh)
-        axes = tuple(m.axis_names)
-        return jax.shard_map(fn, mesh=m, in_specs=(P(axes), *(P() for _ in replicated)), out_specs=P(axes))(
-            x, *replicated)
-
-    return run
-
-
-def batch_summed(fn: Callable, *, mesh=None) -> Callable:
-    """`fn(*batched)` run per device on its shard of every operand's leading (batch) axis inside `shard_map`, the
-    devices' results summed (psum), on a mesh of more than one device; `fn` itself otherwise, or when the batch does
-    not divide over the devices. For FFI reductions over the batch (the embedding's segment-sum backward), which
-    XLA's partitioner would run whole on every device after gathering the batch."""
-    n_devices = mesh_device_count(mesh)
-    if n_devices <= 1:
-        return fn
-
-    def run(*batched):
-        if batched[0].shape[0] % n_devices:
-            return fn(*batched)
-        m = _mesh_or_ambient(mesh)
-        axes = tuple(m.axis_names)
-        local = lambda *shards: jax.lax.psum(fn(*shards), axes)
-        return jax.shard_map(local, mesh=m, in_specs=tuple(P(axes) for _ in batched), out_specs=P())(*batched)
-
-    return run
-
-
 def data_parallel_moe_path(local_path: Callable, *, mesh=None):
     """A one-device MoE path run per device inside `shard_map` on a mesh without expert parallelism.
 
     Each device runs its own tokens against the whole (gathered) expert weights. Without this, XLA's
     partitioner replicates the FFI custom calls: every device would run the whole global batch.
     """
-    mesh = _mesh_or_ambient(mesh)
+    mesh = mesh_or_ambient(mesh)
     batch_axes = tuple(mesh.axis_names)
     n_devices = mesh_device_count(mesh)
 

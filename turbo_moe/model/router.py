@@ -16,6 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.mesh import batch_sharded
 from turbo_moe.ops.router_topk import SEQ_LOAD_PRIOR_TOKENS, router_topk
 
 
@@ -165,8 +166,6 @@ def kernel_expert_ids(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -
     """Expert ids (..., k) int32 from the router_topk kernel (`topk_kernel_here`, or a test): the picks of
     `group_limited_topk` on `selection` (..., E), or with the sequence load penalty on
     `seq_load_penalized_selection(selection)` ((B, S, E) then), in one call."""
-    from turbo_moe.model.expert_parallel import batch_sharded  # here: that module imports this one
-
     penalty = float(cfg.router_seq_load_penalty)
     if penalty > 0:
         _needs_sequence_axis(selection)

@@ -22,9 +22,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from turbo_moe.model.mesh import DATA_AXIS, EXPERT_AXIS
+
 LAYER_AXIS = "layer"
-EXPERT_AXIS = "expert"
-DATA_AXIS = "data"
 METADATA_KEY = "logical_axes"
 
 

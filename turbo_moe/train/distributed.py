@@ -8,8 +8,8 @@
 Where a process group comes from, first match wins:
 - plain variables: ``TURBO_MOE_COORDINATOR`` (or ``JAX_COORDINATOR_ADDRESS``) = host:port of process 0,
   ``TURBO_MOE_NUM_PROCESSES`` and ``TURBO_MOE_PROCESS_ID`` (or ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``),
-  optionally ``TURBO_MOE_LOCAL_DEVICE_IDS`` (or ``JAX_LOCAL_DEVICE_IDS``) = "0,1" (the GPUs of this host this process drives; default all
-  it sees). `turbo-moe launch` sets these.
+  optionally ``TURBO_MOE_LOCAL_DEVICE_IDS`` (or ``JAX_LOCAL_DEVICE_IDS``) = "0,1" (the GPUs of this host
+  this process drives; default all it sees). `turbo-moe launch` sets these.
 - a SLURM job step of several tasks (``srun``: ``SLURM_STEP_NUM_TASKS``, ``SLURM_PROCID``, ``SLURM_NODEID``);
 - Open MPI (``mpirun``: ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_LOCAL_SIZE``).
 For SLURM and Open MPI the coordinator comes from JAX's cluster detection unless one of the coordinator
@@ -139,8 +139,8 @@ def detect(environ: Mapping[str, str] | None = None) -> ProcessGroup | None:
                              "host:port (a free port on the host of rank 0) for every process")
         local = _int_var(env, "OMPI_COMM_WORLD_LOCAL_SIZE") if env.get("OMPI_COMM_WORLD_LOCAL_SIZE") else n
         local_rank = _int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK") if env.get("OMPI_COMM_WORLD_LOCAL_RANK") else 0
-        return ProcessGroup("openmpi", n, _int_var(env, "OMPI_COMM_WORLD_RANK"), coordinator[1] if coordinator else None,
-                            ids if ids is not None else _local_gpu(env, local_rank, local))
+        return ProcessGroup("openmpi", n, _int_var(env, "OMPI_COMM_WORLD_RANK"),
+                            coordinator[1] if coordinator else None, ids if ids is not None else _local_gpu(env, local_rank, local))
     if coordinator is not None and coordinator[0] == COORDINATOR_VARS[0]:
         raise ValueError(f"{COORDINATOR_VARS[0]} is set but neither {NUM_PROCESSES_VARS[0]} / {PROCESS_ID_VARS[0]} "
                          f"nor a SLURM or Open MPI job says how many processes there are and which one this is")

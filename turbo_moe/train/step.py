@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_bias
+from turbo_moe.model.mesh import MESH_AXES, make_mesh  # noqa: F401  (make_mesh: re-exported)
 from turbo_moe.model.router import bias_rate_at
 from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train state's layout, re-exported)
 from turbo_moe.train.config import TrainConfig
@@ -31,10 +32,9 @@ from turbo_moe.train.split_master import joined_params, split_params
 from turbo_moe.train import scan_outputs
 from turbo_moe.train.scan_outputs import LoweredWithUninitializedScans
 
-# Mesh axes: ("data", "expert"). Tokens are split over every device; the training states are sharded
-# by the logical axes their parameters declare (turbo_moe.model.sharding: ZeRO-3 / FSDP).
-MESH_AXES = ("data", "expert")
-BATCH_AXES = ("data", "expert")  # tokens are split over every device
+# The mesh (turbo_moe.model.mesh): tokens are split over every device; the training states are sharded by the
+# logical axes their parameters declare (turbo_moe.model.sharding: ZeRO-3 / FSDP).
+BATCH_AXES = MESH_AXES  # tokens are split over every device
 
 
 class TrainState(NamedTuple):
@@ -77,18 +77,6 @@ def with_compute(params, compute):
     """`params` with `compute`'s leaves in place of theirs: what the forward pass reads."""
     over = dict(nnx.to_flat_state(compute))
     return nnx.from_flat_state([(path, over.get(path, var)) for path, var in nnx.to_flat_state(params)])
-
-
-def make_mesh(devices: list | None = None, expert_parallel: int = 1) -> Mesh:
-    """(n_devices / expert_parallel, expert_parallel) mesh over ("data", "expert").
-
-    Consecutive devices share an expert group, so the expert all-to-alls stay within a host when
-    expert_parallel divides the devices per host."""
-    devices = jax.devices() if devices is None else devices
-    if not isinstance(expert_parallel, int) or expert_parallel <= 0 or len(devices) % expert_parallel:
-        raise ValueError(f"expert_parallel must be a positive int dividing the {len(devices)} devices, "
-                         f"got {expert_parallel!r}")
-    return Mesh(np.asarray(devices).reshape(len(devices) // expert_parallel, expert_parallel), MESH_AXES)
 
 
 def _in_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
