@@ -163,3 +163,17 @@ def test_resume_with_another_seed_or_path_is_refused(tmp_path):
     with pytest.raises(ValueError, match="seed=0 in the checkpoint, 3 now"):
         ckpt.restore({"w": jnp.zeros((4,))}, config={"seed": 3})
     ckpt.finish()
+
+
+def test_cpu_state_larger_than_host_memory_is_refused_before_it_exists(tiny, monkeypatch):
+    """The train state's bytes are checked against the host's available memory before the init program runs:
+    a model too large for the host is an `oom` status naming the state, not a process killed mid-init."""
+    inits = []
+    monkeypatch.setattr(M, "device_memory_limit", lambda: (1000, "host MemAvailable (test)"))
+    from turbo_moe.train import init_program
+
+    real_call = init_program.InitProgram.__call__
+    monkeypatch.setattr(init_program.InitProgram, "__call__", lambda self, key: inits.append(key) or real_call(self, key))
+    r = run(tiny)
+    assert r.status == "oom" and "train state" in r.error and "1000 bytes" in r.error
+    assert inits == [] and r.history == []

@@ -96,8 +96,9 @@ class _Trainer:
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
         program = program_for(tc, self.model_cfg, mesh)
+        self._check_state_fits(program.abstract_state)
         # The train step compiles on abstract inputs in a second thread while the init program compiles
-        # and runs: a cold start waits for the longer of the two, not their sum (NOTES, issue 12).
+        # and runs: a cold start waits for the longer of the two, not their sum.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step") as pool:
             pending = pool.submit(self._compile, program.train, program.abstract_state, mesh)
             self._enter("initialisation")
@@ -134,7 +135,7 @@ class _Trainer:
             save = self.checkpointer is not None and (is_last or bool(
                 tc.checkpoint_every and done % tc.checkpoint_every == 0))
             # One step ahead: the next step is queued before this one's metrics are read, so the device never waits
-            # for the host between steps (~3.4 ms a `reduced` step on an H200, NOTES issue 14). Not past a step whose
+            # for the host between steps. Not past a step whose
             # state is evaluated or saved (the next step would consume it).
             ahead = not (is_last or evaluate or save)
             pending = dispatch(state, done) if ahead else None
@@ -224,6 +225,17 @@ class _Trainer:
         self.compiled_mem = M.compiled_memory(compiled)
         self.memory_limit = M.device_memory_limit()
         return compiled
+
+    def _check_state_fits(self, abstract_state) -> None:
+        """On the CPU, refuse a train state larger than the host's available memory before creating it: the
+        process would otherwise swap or be killed while initialising, before the compiled-step check runs."""
+        if jax.devices()[0].platform != "cpu":
+            return  # accelerators: the compiled-memory check below sees the device's own limit
+        limit, source = M.device_memory_limit()
+        state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract_state)) // jax.process_count()
+        if limit is not None and state_bytes > limit:
+            raise OutOfMemory(f"the train state (parameters, optimizer moments) needs {state_bytes} bytes on this host "
+                              f"but {source} is {limit} bytes: choose a smaller model or more devices")
 
     def _check_fits(self) -> None:
         """Refuse to run a step XLA says needs more than the device has (CPU would swap or be killed)."""
