@@ -1,4 +1,5 @@
-"""FFI-backed MoE ops, differentiable (custom VJPs; grouped_gemm as a linear primitive to any order). CPU handlers always; CUDA handlers when built.
+"""FFI-backed MoE ops, differentiable (custom VJPs; grouped_gemm a linear primitive, to any order).
+CPU handlers always; CUDA handlers when built.
 
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad;
   ragged_dot_general: jax.lax.ragged_dot_general's ragged-M and ragged-contracting modes on those kernels;
