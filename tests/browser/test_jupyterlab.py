@@ -199,7 +199,7 @@ def _open(driver, url: str, name: str) -> None:
     driver.get(f"{url}/lab/tree/{name}?token={TOKEN}")
     _wait(driver, _PANEL + "return !!(nb && nb.content && nb.content.model && nb.sessionContext"
                   " && nb.sessionContext.session && nb.sessionContext.session.kernel"
-                  " && nb.sessionContext.session.kernel.status === 'idle');", 300, f"{name} and its kernel")
+                  " && nb.sessionContext.session.kernel.status === 'idle');", 120, f"{name} and its kernel")
     time.sleep(1)
     # Opening alone must not modify the notebook (its language_info matches what the kernel reports).
     assert driver.execute_script(_PANEL + "return nb.context.model.dirty;") is False

@@ -66,3 +66,22 @@ def test_compiled_once_per_key_kind_and_traceable():
     assert program.compile(jax.random.key(0, impl="rbg")) is not program.compile(key)
     shapes = jax.eval_shape(program, key)  # traced: no compile, the jitted init's shapes
     assert shapes["w"].shape == (8, 5) and shapes["b"].shape == (5,)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the Philox generator is the CPU's choice")
+def test_cpu_auto_falls_back_to_threefry_where_philox_does_not_lower():
+    """XLA:CPU cannot lower Philox on an output sharded over devices: such an init draws from threefry, the
+    values of the jitted init of the caller's key, and says why (the training loop's multi-device CPU runs)."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 host devices")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("d",))
+    jitted = jax.jit(lambda key: {"w": jax.vmap(lambda k: jax.random.normal(k, (4, 8)))(jax.random.split(key, 2))},
+                     out_shardings={"w": NamedSharding(mesh, PartitionSpec(None, "d"))})
+    key = jax.random.key(0)
+    program = InitProgram(jitted)
+    _assert_same(program(key), jitted(key))
+    assert program.last_choice["rng"] == "threefry2x32" and "does not lower" in program.last_choice["why"]
+    compiled = InitProgram(jitted)  # the same choice through .compile()
+    _assert_same(compiled.compile(key)(compiled.program_key(key)), jitted(key))

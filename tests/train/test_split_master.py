@@ -268,7 +268,7 @@ def _restore(directory, program, tc: TrainConfig):
     """What run() does to resume: the latest step into `program`'s state, checked against `tc`."""
     ckpt = Checkpointer(directory)
     try:
-        return ckpt.restore(program.abstract_state, config=tc.to_dict())
+        return ckpt.restore(program.abstract_state, config=tc.resolved().to_dict())  # run() records the resolved
     finally:
         ckpt.finish()
 

@@ -1,7 +1,7 @@
 """The parameter-init program, compiled with the random-number lowering that compiles fastest on the device.
 
 Why: an init program has one `jax.random` call site per parameter kind, and its compile time grows with
-them (experiments/NOTES.md has the measurements).
+them.
 
 - GPU: JAX lowers every threefry call site to an unrolled 20-round graph that XLA compiles into its own
   large fusion (13.6 s of the `reduced` cold start on an H100). `jax_threefry_gpu_kernel_lowering` lowers
@@ -83,6 +83,17 @@ def cpu_key(key):
     return jax.random.fold_in(out, hi) if hi else out
 
 
+def _lowers(lowered) -> bool:
+    """Whether a lowered CPU program compiles (Philox on a sharded output does not: see InitProgram._cpu_init)."""
+    try:
+        lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        if "MHLO" not in str(error) and "legalize" not in str(error):
+            raise
+        return False
+    return True
+
+
 class InitProgram:
     """Callable like the jitted init (`key -> TrainState`), with `.lower(key)` and `.compile(key)`.
 
@@ -97,6 +108,7 @@ class InitProgram:
         self.jitted = jitted
         self.mode = mode
         self.last_choice: dict[str, Any] = {}
+        self._philox_unlowerable = False  # set when the CPU's Philox init failed to lower (see _cpu_init)
         self._compiled: dict[Any, Any] = {}  # key dtype (threefry / philox / rbg) -> compiled program
 
     @property
@@ -104,8 +116,28 @@ class InitProgram:
         return jax.default_backend() == "gpu" and _threefry_kernel_state is not None
 
     def _cheap_rng(self, key) -> bool:
-        return (self.mode == "auto" and jax.default_backend() == "cpu" and not isinstance(key, jax.core.Tracer)
-                and _is_threefry(key) and _has_impl(CPU_RNG))
+        return (self.mode == "auto" and jax.default_backend() == "cpu" and not self._philox_unlowerable
+                and not isinstance(key, jax.core.Tracer) and _is_threefry(key) and _has_impl(CPU_RNG))
+
+    def _cpu_init(self, key):
+        """The jitted init on the CPU, from Philox where it lowers. XLA:CPU cannot lower Philox's mulhi on an
+        output sharded over several devices (jax 0.10.2: "failed to legalize mhlo.unknown"): such a program
+        draws from threefry instead, and says so in `last_choice`."""
+        program_key = self.program_key(key)
+        why = "not a GPU"
+        if program_key is not key:
+            try:
+                out = self.jitted(program_key)
+            except jax.errors.JaxRuntimeError as error:
+                if "MHLO" not in str(error) and "legalize" not in str(error):
+                    raise
+                self._philox_unlowerable = True
+                program_key, why = key, f"not a GPU; {CPU_RNG} does not lower on this sharding"
+            else:
+                self.last_choice = {"rng": CPU_RNG, "lowering": "default", "why": why}
+                return out
+        self.last_choice = {"rng": str(jax.random.key_impl(program_key)), "lowering": "default", "why": why}
+        return self.jitted(program_key)
 
     def program_key(self, key):
         """The key the init program draws from (see the class docstring)."""
@@ -113,11 +145,19 @@ class InitProgram:
 
     def lower(self, key, *, kernel: bool | None = None):
         use = self.mode != "off" and self._gpu if kernel is None else kernel
+        program_key = self.program_key(key)
         with _threefry_kernel(use):
-            return self.jitted.lower(self.program_key(key))
+            lowered = self.jitted.lower(program_key)
+        if program_key is not key and not _lowers(lowered):  # see _cpu_init
+            self._philox_unlowerable = True
+            with _threefry_kernel(use):
+                lowered = self.jitted.lower(key)
+        return lowered
 
     def compile(self, key):
         """Compile once per key kind (cached): with the kernel lowering where it fits, else the default."""
+        if self._cheap_rng(key) and self.program_key(key).dtype not in self._compiled:
+            self.lower(key)  # finds out whether Philox lowers here (program_key then says which key to use)
         program_key = self.program_key(key)
         if program_key.dtype not in self._compiled:
             self._compiled[program_key.dtype] = self._compile(program_key)
@@ -150,8 +190,5 @@ class InitProgram:
         if isinstance(key, jax.core.Tracer):  # traced (eval_shape, an outer jit): the plain jitted init
             return self.jitted(key)
         if not self._gpu:  # the CPU: the jitted init's own cache (no lowering choice to make)
-            program_key = self.program_key(key)
-            self.last_choice = {"rng": str(jax.random.key_impl(program_key)), "lowering": "default",
-                                "why": "not a GPU"}
-            return self.jitted(program_key)
+            return self._cpu_init(key)
         return self.compile(key)(key)
