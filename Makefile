@@ -22,7 +22,7 @@ CUDA ?= auto
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 # The CPU kernels target the portable baseline, as a wheel does, and the grouped GEMM picks its
 # AVX2/AVX-512 variant at run time: as fast as -march=native and bit-identical to it on an AVX2 host
-# (experiments/NOTES.md, "CPU -march"). Passed explicitly so an older build cache's `native` is replaced;
+# (docs/notes/archive, "CPU -march"). Passed explicitly so an older build cache's `native` is replaced;
 # `make CPU_ARCH=native` still tunes everything for this machine.
 CPU_ARCH ?= $(if $(filter x86_64 amd64,$(shell uname -m)),x86-64-v2,)
 CUTLASS_VERSION := 4.2.0.0

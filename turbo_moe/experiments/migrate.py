@@ -413,7 +413,7 @@ SUPERSEDED = {
 
 # Titles of the campaigns the report draws (the others carry their PROVENANCE.md's first line).
 TITLES = {
-    "cpu_default": "`make main`'s sweep: the CPU paths on `small`, Shakespeare, 200 steps",
+    "cpu_default": "`make main`'s sweep: the CPU paths on `small`, Shakespeare",
     "gpu_paths_x_batch": "every path against per-device batch, `reduced`, synthetic tokens (defaults of 2026-11-26)",
     "gpu_paths_x_steps": "every path over 400 steps, `reduced`, Shakespeare (defaults of 2026-11-26)",
     "defaults_vs_best_h200": "each path at its defaults against the best known settings, `reduced` b8 x 2048, H200",
