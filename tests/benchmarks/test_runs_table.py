@@ -72,10 +72,12 @@ def test_switches_are_the_runs_own_not_todays_defaults(runs_table, tmp_path):
     path = tmp_path / "old" / "0_turbo.json"
     path.parent.mkdir()
     record = _record([1.5] * 8)
-    # as an older run resolved them: swiglu_impl "xla" (today's default is "auto"); no logits_dtype field back then
-    model = {k: v for k, v in vars(get_config("reduced", moe_path="turbo", swiglu_impl="xla")).items()
-             if k != "logits_dtype"}
-    train = TrainConfig.from_dict({"progress": False, **record["config"]}).to_dict()
+    # as an older run recorded them: swiglu_impl "xla" (a field since decided and removed); no logits_dtype field then
+    model = {**{k: v for k, v in vars(get_config("reduced", moe_path="turbo")).items() if k != "logits_dtype"},
+             "swiglu_impl": "xla", "cast_params_before_scan": True, "router_topk_impl": "kernel",
+             "expert_backward": "block", "embedding_grad": "segment"}
+    train = {**TrainConfig.from_dict({"progress": False, **record["config"]}).to_dict(),
+             "cast_params_in_update": False, "scan_outputs_uninitialized": True}
     record["provenance"] = {**record["provenance"], "model_config": model, "config": train}
     row = runs_table.row(record, path)
     assert row["swiglu_impl"] == "xla" and row["remat_policy"] == get_config("reduced").remat_policy
