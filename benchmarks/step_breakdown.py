@@ -272,7 +272,7 @@ def _mfu_accounting(b: dict) -> list[str]:
     from turbo_moe.model.accounting import attention_flops_per_token, mtp_active_params
 
     meta = b["meta"]
-    cfg = ModelConfig.from_dict(meta["provenance"]["model_config"])
+    cfg = ModelConfig.from_record(meta["provenance"]["model_config"])
     seq, tokens = meta["params"]["seq_len"], meta["tokens_per_device"]
     counts = count_params(cfg)
     model = meta["model_flops_per_token"]

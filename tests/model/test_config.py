@@ -122,3 +122,14 @@ def test_removed_fields_old_spellings():
         get_config("tiny", cast_params_before_scan=1)
     with pytest.raises(TypeError):  # the constructor has no such field
         ModelConfig(expert_backward="block")
+
+
+def test_from_record_reads_an_older_runs_config_with_removed_fields():
+    """History stays readable: a record written before a field was removed loads, the field dropped, whatever
+    value it held; a config to run (`from_dict`) still refuses the losing value."""
+    from turbo_moe.model.config import ModelConfig, get_config
+
+    old = {**get_config("tiny").to_dict(), "cast_params_before_scan": False, "embedding_grad": "scatter"}
+    assert ModelConfig.from_record(old) == get_config("tiny")
+    with pytest.raises(ValueError, match="cast_params_before_scan"):
+        ModelConfig.from_dict(old)

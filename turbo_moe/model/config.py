@@ -224,6 +224,12 @@ class ModelConfig:
         return cls(**kwargs)
 
     @classmethod
+    def from_record(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        """An older run's recorded config, for reading history: fields since removed (REMOVED_FIELDS) are dropped
+        whatever their value, since that run already ran with them. Configs to run go through `from_dict`."""
+        return cls.from_dict({k: v for k, v in values.items() if MAXTEXT_ALIASES.get(k, k) not in REMOVED_FIELDS})
+
+    @classmethod
     def from_yaml(cls, path_or_text: str) -> "ModelConfig":
         """From a YAML file path or YAML text. A top-level `preset:` key starts from that preset."""
         import yaml
