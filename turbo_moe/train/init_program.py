@@ -102,13 +102,15 @@ class InitProgram:
     generator and lowering the program uses ("rng", "lowering": "kernel" or "default") and why.
     """
 
-    def __init__(self, jitted: Callable, mode: str = "auto"):
+    def __init__(self, jitted: Callable, mode: str = "auto", *, devices: int = 1):
         if mode not in MODES:
             raise ValueError(f"InitProgram mode: must be one of {MODES}, got {mode!r}")
         self.jitted = jitted
         self.mode = mode
         self.last_choice: dict[str, Any] = {}
-        self._philox_unlowerable = False  # set when the CPU's Philox init failed to lower (see _cpu_init)
+        # Philox does not lower on outputs sharded over several CPU devices (see _cpu_init): a program over a
+        # mesh of `devices` > 1 keeps threefry from the start (no failed compile, no XLA error printed).
+        self._philox_unlowerable = devices > 1
         self._compiled: dict[Any, Any] = {}  # key dtype (threefry / philox / rbg) -> compiled program
 
     @property

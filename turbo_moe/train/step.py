@@ -296,7 +296,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
                                   shapes, state_sharding)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
-    init = InitProgram(jax.jit(create, out_shardings=state_sharding, compiler_options=options))
+    init = InitProgram(jax.jit(create, out_shardings=state_sharding, compiler_options=options), devices=mesh.size)
     bias_rate = functools.partial(bias_rate_at, model_cfg)
     train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate, cast), mesh),
                     in_shardings=(state_sharding, data_sharding),
