@@ -11,305 +11,26 @@ itself is under test; checkpoints save a small dict of arrays; the dry runs use 
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
-import nbformat
 
-from turbo_moe import cli
-from turbo_moe.experiments import results, runner
-from turbo_moe.experiments.lock import SweepLock, lock_path
-from turbo_moe.experiments.runner import SweepLayout, run_sweep
-from turbo_moe.experiments.spec import spec_from_dict
+from turbo_moe.experiments import results
+from turbo_moe.experiments.lock import lock_path
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN_NOTEBOOK = REPO / "notebooks" / "02_train.ipynb"
-CASE_TIMEOUT_S = 120
-TRACEBACK = "Traceback (most recent call last)"
-TOY_PARAMETERS = "x = 1\nmode = 'ok'\nresult_json = None\nrun_name = None"
+from harness import (CASE_TIMEOUT_S, REPO, TOY_PARAMETERS, TRACEBACK, TRAIN_NOTEBOOK, Outcome, _checkpointer,  # noqa: F401
+                     _save, _Sweep, can_mount_tmpfs, child, cli_run, count_rows, refused_restore, spec_file,
+                     toy_notebook)
+from held_faults import (held_checkpoint_fallback, held_damaged_rows, held_full_disk_table, held_int64_ids,
+                         held_lock, held_long_names, held_resume_mismatch, held_sigkill_and_resume, held_typo,
+                         held_umask, held_yaml)
 
-
-@dataclasses.dataclass
-class Outcome:
-    fault: str
-    now: str = ""
-    rows_lost: int = 0
-    duplicates: int = 0
-    hang: bool = False
-    tracebacks: int = 0
-    passed: bool = True
-    problem: str = ""
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-def toy_notebook(folder: Path, cells: tuple[str, ...] = ()) -> Path:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in (TOY_PARAMETERS, *cells)]
-    nb.cells[0].metadata["tags"] = ["parameters"]
-    path = folder / "toy.ipynb"
-    nbformat.write(nb, path)
-    return path
-
-
-class _Sweep:
-    """A toy sweep in ``root``: points x-1..x-n; ``records[x]`` (a callable of params) replaces the notebook."""
-
-    def __init__(self, root: Path, n: int = 3, **spec):
-        self.root = root
-        self.spec = spec_from_dict({"name": "toy", "notebook": str(toy_notebook(root)), "grid": {"x": list(range(1, n + 1))},
-                                    **spec})
-        self.layout = SweepLayout(results_dir=root / "results", runs_dir=root / "runs", sweep="toy")
-        self.records: dict[int, Callable[[dict], object]] = {}
-        self.log: list[str] = []
-
-    def execute(self, spec, params, notebook_out, kernel):
-        make = self.records.get(params["x"], lambda p: {"status": "ok", "summary": {"tgs": float(p["x"])}})
-        record = make(params)
-        if isinstance(record, tuple):  # (status, error): the notebook failed
-            return record
-        with open(params["result_json"], "w") as f:
-            f.write(record if isinstance(record, str) else json.dumps(record))
-        return "ok", None
-
-    def run(self, **kwargs) -> list[dict]:
-        saved = runner.execute_notebook, runner.check_kernel
-        runner.execute_notebook, runner.check_kernel = self.execute, lambda name: None
-        try:
-            return run_sweep(self.spec, layout=self.layout, progress=False, log=self.log.append, **kwargs)
-        finally:
-            runner.execute_notebook, runner.check_kernel = saved
-
-    def table(self):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return results.read_table(self.layout.table)
-
-
-def count_rows(sweep: _Sweep, expected_ok: list[str], outcome: Outcome, rerun: tuple[str, ...] = ()) -> None:
-    """Rows lost: expected finished points without a final row; duplicates: a point finished twice with the
-    same parameters, except those the fault rightly sends round again (``rerun``: a damaged record)."""
-    table = sweep.table()
-    final = table[table["status"].isin(results.FINAL_STATUSES)]
-    outcome.rows_lost += sum(1 for p in expected_ok if p not in set(final["point"]))
-    again = final[~final["point"].isin(rerun)]
-    outcome.duplicates += int(again.duplicated(subset=["point", "point_key"]).sum())
-
-
-def cli_run(argv: list[str], outcome: Outcome) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main(argv)
-    outcome.tracebacks += (out.getvalue() + err.getvalue()).count(TRACEBACK)
-    return rc, out.getvalue(), err.getvalue()
-
-
-def child(code: str, *args: str, timeout: float = 90, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    script = Path(args[0]) / f"child_{time.monotonic_ns()}.py"
-    script.write_text(textwrap.dedent(code))
-    return subprocess.run([*prefix, sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout)
-
-
-def spec_file(folder: Path, text: str, name: str = "spec.yaml") -> Path:
-    path = folder / name
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
-def can_mount_tmpfs(folder: Path) -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                            f"mount -t tmpfs -o size=64k tmpfs {folder}"], capture_output=True)
-    return probe.returncode == 0
-
-
-# ------------------------------------------------------------------------------ the 11 held (FAULTS 1-9f)
-
-def held_lock(root: Path, o: Outcome) -> str:
-    sweep = _Sweep(root)
-    sweep.layout.results_dir.mkdir(parents=True)
-    spec = spec_file(root, f"notebook: {sweep.spec.notebook}\nname: toy\ngrid: {{x: [1, 2]}}\n")
-    with SweepLock(sweep.layout.table):
-        rc, _, err = cli_run(["sweep", str(spec), "--experiments-dir", str(root), "--kernel", "python3"], o)
-    assert rc == 2 and f"pid {os.getpid()}" in err and len(err.strip().splitlines()) == 1, err
-    return "second sweep refused in one line naming the holder's pid"
-
-
-def held_sigkill_and_resume(root: Path, o: Outcome) -> str:
-    code = """
-        import json, os, signal, sys
-        from pathlib import Path
-        sys.path.insert(0, %r)
-        from fault_campaign import _Sweep
-        sweep = _Sweep(Path(sys.argv[1]), n=3)
-        def killer(p):
-            if p["x"] == 2 and not (Path(sys.argv[1]) / "killed").exists():
-                (Path(sys.argv[1]) / "killed").touch()
-                os.kill(os.getpid(), signal.SIGKILL)
-            return {"status": "ok", "summary": {"tgs": 1.0}}
-        sweep.records = {2: killer}
-        sweep.run()
-    """ % str(Path(__file__).parent)
-    first = child(code, str(root))
-    assert first.returncode == -signal.SIGKILL, first.stderr[-500:]
-    again = child(code, str(root))
-    assert again.returncode == 0, again.stderr[-800:]
-    sweep = _Sweep(root)
-    count_rows(sweep, ["x-1", "x-2", "x-3"], o)
-    assert list(sweep.table()["point"]) == ["x-1", "x-2", "x-3"]
-    assert not list(sweep.layout.results_dir.rglob("*.partial"))
-    return "SIGKILL in point 2: point 1's row kept, re-run does 2 and 3, no partial left"
-
-
-def held_full_disk_table(root: Path, o: Outcome) -> str:
-    sweep = _Sweep(root, n=2)
-    sweep.run()
-    before = sweep.layout.table.read_text()
-    saved = results.write_atomic
-
-    def disk_full(path, write):
-        raise OSError(28, "No space left on device", str(path))
-
-    results.write_atomic = disk_full
-    try:
-        sweep.spec = spec_from_dict({"name": "toy", "notebook": str(sweep.spec.notebook), "grid": {"x": [1, 2, 3]}})
-        try:
-            sweep.run()
-            raise AssertionError("the sweep went on without its table")
-        except OSError as exc:
-            message = str(exc)
-    finally:
-        results.write_atomic = saved
-    assert "toy.csv" in message and "x-3" in message and "runs again" in message, message
-    assert sweep.layout.table.read_text() == before
-    sweep.run()
-    count_rows(sweep, ["x-1", "x-2", "x-3"], o)
-    return "table write fails: one error naming the table and the point, earlier rows intact, re-run completes"
-
-
-def held_typo(root: Path, o: Outcome) -> str:
-    spec = spec_file(root, f"notebook: {toy_notebook(root)}\nbase: {{mdoe: ok}}\ngrid: {{x: [1]}}\n")
-    rc, _, err = cli_run(["sweep", str(spec), "--dry-run"], o)
-    assert rc == 2 and "did you mean 'mode'" in err, err
-    return "rc 2, one line: unknown parameter 'mdoe', did you mean 'mode'"
-
-
-def held_long_names(root: Path, o: Outcome) -> str:
-    sweep = _Sweep(root, n=1)
-    long = {"x": 1, "mode": "m" * 250}
-    sweep.spec = spec_from_dict({"name": "toy", "notebook": str(sweep.spec.notebook),
-                                 "points": [{**long, "x": 1}, {**long, "x": 2}]})
-    sweep.run()
-    names = [p.name for p in sweep.spec.expand()]
-    assert all("__h-" in n for n in names) and sweep.run() == []
-    count_rows(sweep, names, o)
-    return "names over 200 characters hashed; both points run once and resume"
-
-
-def held_damaged_rows(root: Path, o: Outcome) -> str:
-    sweep = _Sweep(root, n=3)
-    sweep.run()
-    text = sweep.layout.table.read_text()
-    sweep.layout.table.write_text(text[:-15])  # cut inside the last row
-    rows = sweep.run()
-    assert [r["point"] for r in rows] == ["x-3"] and any("damaged row" in m for m in sweep.log)
-    count_rows(sweep, ["x-1", "x-2", "x-3"], o)
-    return "cut row reported by file and line, its point runs again, table sound"
-
-
-def held_int64_ids(root: Path, o: Outcome) -> str:
-    import jax.numpy as jnp
-    import numpy as np
-
-    from turbo_moe.ops import permute
-
-    ids = np.array([[0, 2**32 + 1], [1, 2]], np.int64)
-    x = jnp.ones((2, 4), jnp.float32)
-    counts = np.asarray(permute(x, ids, 4)[1])
-    assert int(counts.sum()) == 3 and int(counts[1]) == 1, counts  # 2**32+1 reached no expert
-    return "expert id 2**32+1 drops its copy (not wrapped to expert 1)"
-
-
-def held_umask(root: Path, o: Outcome) -> str:
-    old = os.umask(0o027)
-    try:
-        results.append_row(root / "t.csv", {"sweep": "s", "point": "a", "status": "ok"})
-    finally:
-        os.umask(old)
-    assert (root / "t.csv").stat().st_mode & 0o777 == 0o640
-    return "table mode 0640 under umask 027"
-
-
-def held_yaml(root: Path, o: Outcome) -> str:
-    bomb = "a: &a [1,1,1,1,1,1,1,1,1,1]\n" + "".join(
-        f"{c}: &{c} [{','.join(['*' + p] * 10)}]\n" for p, c in zip("abcde", "bcdef")) + "g: [" + ",".join(["*f"] * 10) + "]\n"
-    for text, expect in ((bomb, "more than 100000 values"),
-                         ("notebook: !!python/object/apply:os.system ['touch PWNED']\n", "constructor"),
-                         ("notebook: [unclosed\n", "not valid YAML")):
-        rc, _, err = cli_run(["sweep", str(spec_file(root, text)), "--dry-run"], o)
-        assert rc == 2 and expect in err and len(err.strip().splitlines()) == 1, err
-    assert not Path("PWNED").exists()
-    return "alias bomb, python tag, bad syntax: one line each, nothing executed"
-
-
-def _checkpointer(path: Path):
-    from turbo_moe.train.checkpoint import Checkpointer
-
-    return Checkpointer(path, keep=5)
-
-
-def _save(ckpt, step: int, seed: int = 0, steps: int = 10) -> None:
-    import jax.numpy as jnp
-
-    ckpt.save(step, {"w": jnp.full((4,), float(step))}, {"step": step, "config": {"seed": seed, "steps": steps}})
-
-
-def held_resume_mismatch(root: Path, o: Outcome) -> str:
-    import jax.numpy as jnp
-
-    ckpt = _checkpointer(root / "ckpt")
-    _save(ckpt, 1)
-    try:
-        ckpt.restore({"w": jnp.zeros((4,))}, config={"seed": 3, "steps": 10})
-        raise AssertionError("resumed with another seed")
-    except ValueError as exc:
-        assert "seed=0 in the checkpoint, 3 now" in str(exc), exc
-    finally:
-        ckpt.finish()
-    return "resume with another seed refused naming seed"
-
-
-def held_checkpoint_fallback(root: Path, o: Outcome) -> str:
-    import jax.numpy as jnp
-
-    ckpt = _checkpointer(root / "ckpt")
-    _save(ckpt, 1)
-    _save(ckpt, 2)
-    for f in (root / "ckpt" / "2" / "state").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"\x00garbage")
-    try:
-        _, record = ckpt.restore({"w": jnp.zeros((4,))})
-    finally:
-        ckpt.finish()
-    assert record["step"] == 1 and (root / "ckpt" / "2.damaged-0").is_dir()
-    return "damaged step 2 moved aside, restored step 1"
-
-
-# -------------------------------------------------------------------------------------- issue 37's items
 
 def long_error(root: Path, o: Outcome) -> str:
     sweep = _Sweep(root, n=3)
@@ -433,7 +154,7 @@ FULL_DISK_SWEEP = """
     import json, shutil, sys
     from pathlib import Path
     sys.path.insert(0, %r)
-    from fault_campaign import _Sweep
+    from harness import _Sweep
     root = Path(sys.argv[1])
     sweep = _Sweep(root, n=4)
     big = "x" * 30_000  # a record this large fills the 64 KiB disk by the third point
@@ -534,7 +255,6 @@ def duplicate_yaml_key(root: Path, o: Outcome) -> str:
 
 
 def small_ones(root: Path, o: Outcome) -> str:
-    import jax.numpy as jnp
 
     rc, _, err = cli_run(["sweep", str(root), "--dry-run"], o)
     assert rc == 2 and "is a folder" in err, err
@@ -547,13 +267,8 @@ def small_ones(root: Path, o: Outcome) -> str:
     assert sweep.run() == [] and not lock_path(sweep.layout.table).exists()  # no lock needed: nothing to write
     ckpt = _checkpointer(root / "ckpt")
     _save(ckpt, 8)
-    try:
-        ckpt.restore({"w": jnp.zeros((4,))}, config={"seed": 0, "steps": 5})
-        raise AssertionError("resumed past its steps in silence")
-    except ValueError as exc:
-        assert "at step 8, past this run's steps=5" in str(exc), exc
-    finally:
-        ckpt.finish()
+    refused_restore(ckpt, {"seed": 0, "steps": 5}, "at step 8, past this run's steps=5",
+                    "resumed past its steps in silence")
     return "spec folder, --only matching nothing, nothing to run without a lock, steps below the saved step"
 
 
