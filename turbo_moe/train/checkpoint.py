@@ -23,6 +23,7 @@ late "Event loop is closed" echo from C++ after the save returned; nothing in Py
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -166,6 +167,8 @@ class Checkpointer:
                         state=ocp.args.StandardSave(flatten_state(state)), record=ocp.args.JsonSave(record)))
                 except Exception:
                     failed.append(True)
+                    _hold_back_task_echoes(self.directory)
+                    gc.collect()  # orbax's abandoned write tasks report now, into the held-back stderr
                     raise
         except Exception as exc:
             self._failed_save = True
@@ -326,6 +329,31 @@ def _wait_until_quiet(held, text_held: io.StringIO, quiet_s: float = 0.5, limit_
         elif time.monotonic() - since >= quiet_s:
             return
         time.sleep(0.05)
+
+
+class _DropTaskEchoes(logging.Filter):
+    """asyncio's "Task exception was never retrieved" for orbax's write tasks of a failed save in one of
+    ``folders``: each repeats the save's error (which names the folder), whenever the task is collected."""
+
+    def __init__(self):
+        super().__init__()
+        self.folders: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        echo = any(f in text for f in self.folders) or (self.folders and "Event loop is closed" in text)
+        return not ("never retrieved" in text and echo)
+
+
+_TASK_ECHOES = _DropTaskEchoes()
+
+
+def _hold_back_task_echoes(directory: Path) -> None:
+    """From now on in this process, drop asyncio's late echoes of a failed save in ``directory``."""
+    _TASK_ECHOES.folders.add(str(directory))
+    logger = logging.getLogger("asyncio")
+    if _TASK_ECHOES not in logger.filters:
+        logger.addFilter(_TASK_ECHOES)
 
 
 class _DropOrbaxNoise(logging.Filter):
