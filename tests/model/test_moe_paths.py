@@ -139,12 +139,12 @@ def test_dense_cf_drops_exactly_the_maxtext_overflow(cf, kept):
 def test_table_has_one_row_per_path_and_exchange():
     from turbo_moe.model.config import EP_EXCHANGES
     from turbo_moe.model.exchanges import capacity_exchange, permute_exchange, sort_exchange  # noqa: F401
-    from turbo_moe.model.gemms import GEMMS
+    from turbo_moe.ops.gemm_sets import GEMM_SETS
     from turbo_moe.model.paths import EP_WRAPPERS, LOCAL_EXCHANGES
 
     assert set(PATHS) == {(p, e) for p in MOE_PATHS for e in (ONE_DEVICE,) + EP_EXCHANGES}
     for (path, exchange), row in PATHS.items():
-        assert row.exchange in LOCAL_EXCHANGES and row.gemm in GEMMS, (path, exchange)
+        assert row.exchange in LOCAL_EXCHANGES and row.gemm in GEMM_SETS, (path, exchange)
         assert (row.ep_wrapper is None) == (exchange == ONE_DEVICE), (path, exchange)
         assert row.ep_wrapper is None or row.ep_wrapper in EP_WRAPPERS
 

@@ -1,11 +1,12 @@
-"""The routed experts' SwiGLU (`experts.swiglu_fused`) with its written-out backward: the gradient of autodiff in
+"""The routed experts' SwiGLU (`ops.expert_block.swiglu`) with its written-out backward: the gradient of autodiff in
 float32, closer to float64 than autodiff's bf16 arithmetic in bf16, and built as one concatenate (autodiff of the two
 slices gave pad + pad + add, which XLA evaluated for both halves at every element)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from turbo_moe.model.experts import _swiglu, swiglu_fused
+from turbo_moe.ops.expert_block import _swiglu
+from turbo_moe.ops.expert_block import swiglu as swiglu_fused
 
 
 def _grads(fn, h, g):

@@ -155,7 +155,7 @@ def attention_working_set_bytes(cfg: ModelConfig, per_device_batch: int, seq_len
 
 
 def _expert_block(path: str) -> bool:
-    """The path runs `model/expert_block.py`'s one VJP: every path with the permute exchange (turbo, pallas; under EP
+    """The path runs `ops.expert_block`'s one VJP: every path with the permute exchange (turbo, pallas; under EP
     around each rank's experts)."""
     from turbo_moe.model.paths import ONE_DEVICE, path_row
 

@@ -35,14 +35,10 @@ def train_config(
     ``moe_path`` and ``capacity_factor`` (None keeps the preset's) go into the model overrides;
     ``fields`` are TrainConfig fields (dataset, seq_len, seed, ...); ``train_overrides`` adds any other.
     """
-    from turbo_moe.model import MOE_PATHS
     from turbo_moe.train import TrainConfig
 
     if moe_path == "auto":
         moe_path = fastest_dropless_path()
-    # Checked here too so that the message names the notebook parameter, before any compile.
-    if moe_path not in MOE_PATHS:
-        raise ValueError(f"parameter moe_path: unknown path {moe_path!r}; expected 'auto' or one of {MOE_PATHS}")
     if isinstance(per_device_batch, bool) or not isinstance(per_device_batch, int) or per_device_batch <= 0:
         raise ValueError(f"parameter per_device_batch: must be a positive int, got {per_device_batch!r}")
     if not isinstance(model_overrides or {}, Mapping):
@@ -54,8 +50,15 @@ def train_config(
     overrides = {**(model_overrides or {}), "moe_path": moe_path}
     if capacity_factor is not None and not (isinstance(capacity_factor, float) and math.isnan(capacity_factor)):
         overrides["capacity_factor"] = float(capacity_factor)
-    return TrainConfig.from_dict({"model": model, "model_overrides": overrides, "per_device_batch": per_device_batch,
-                                  "steps": steps, **fields, **dict(train_overrides or {})})
+    try:
+        return TrainConfig.from_dict({"model": model, "model_overrides": overrides,
+                                      "per_device_batch": per_device_batch, "steps": steps, **fields,
+                                      **dict(train_overrides or {})})
+    except ValueError as err:  # ModelConfig checks moe_path; the message names the notebook's parameter
+        field = "ModelConfig.moe_path: "
+        if not str(err).startswith(field):
+            raise
+        raise ValueError(f"parameter moe_path: {str(err)[len(field):]} (or 'auto')") from err
 
 
 def fastest_dropless_path() -> str:
@@ -79,7 +82,8 @@ def describe(tc) -> pd.DataFrame:
     rows = {
         "model": tc.model if isinstance(tc.model, str) else "custom",
         "moe_path": cfg.moe_path,
-        "capacity_factor": cfg.capacity_factor if cfg.moe_path == "dense_cf" else "n/a (dropless)",
+        "capacity_factor": (cfg.capacity_factor if cfg.moe_path == "dense_cf" or cfg.drop_tokens
+                            else "n/a (dropless)"),
         "experts (routed, shared, top-k)": f"{cfg.n_experts}, {cfg.n_shared_experts}, {cfg.top_k}",
         "layers (dense + MoE)": f"{cfg.n_dense_layers} + {cfg.n_layers - cfg.n_dense_layers}",
         "params total / active (M)": f"{counts['total'] / 1e6:.2f} / {counts['active'] / 1e6:.2f}",

@@ -33,7 +33,14 @@ REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
     "router_center_ema": (0.0, "router centering by a running mean lost to router_center_causal"),
     "router_bias_rate_start": (0.0, "the bias update rate is router_bias_rate throughout"),
     "router_bias_rate_decay_steps": (0, "the bias update rate is router_bias_rate throughout"),
+    "embedding_init_std": (None, "the token embeddings are initialised with std d_model ** -0.5 (MaxText's fan-in)"),
+    "router_init_std": (None, "the gate kernel is initialised with init_std, as every projection; a fan-in gate lost"),
+    "scan_layers": (True, "each stack of blocks runs as one jax.lax.scan; the unrolled stack was slower to run and "
+                          "to compile"),
+    "rms_norm_eps": (1e-6, "every RMSNorm uses DeepSeek-V3's epsilon 1e-6"),
 }
+
+RMS_NORM_EPS = 1e-6  # DeepSeek-V3's (config.json rms_norm_eps); MaxText's normalization_layer_epsilon
 
 # The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.
 MAX_SEQ_LOAD_CHUNKS = 64
@@ -103,7 +110,11 @@ class ModelConfig:
     balance_loss_weight: float = 1e-4
     router_bias_rate: float = 1e-3
     moe_path: str = "turbo"
-    capacity_factor: float = 1.25  # dense_cf only; <= 0 computes every expert densely
+    # dense_cf: slots per expert (cf x its fair share); <= 0 computes every expert densely.
+    capacity_factor: float = 1.25
+    # A dropless path (turbo, ragged, pallas) drops exactly the copies dense_cf at capacity_factor drops, at its own
+    # speed (model/capacity.py): the drop penalty measured without dense_cf's cost. False: dropless.
+    drop_tokens: bool = False
     # Expert parallelism (used when the ambient mesh has an "expert" axis of size > 1):
     ep_exchange: str = "deepep"  # turbo's exchange: "deepep" (moe_dispatch/combine) | "ragged_all_to_all"
     # deepep slots per source rank as a fraction of its tokens; 0 (or 1) = every token (never drops),
@@ -118,9 +129,6 @@ class ModelConfig:
     # "dots" / "dots_no_batch" JAX's matmul policies, "dots_experts_attention" = "dots_no_batch" + the routed
     # experts' GEMM inputs/outputs and cuDNN attention's outputs (custom kernels the dot policies recompute).
     remat_policy: str = "none"
-    # Run each stack of blocks (dense prefix, MoE blocks) as one jax.lax.scan: compile time independent
-    # of depth. False: the same stacked weights in a Python loop (every layer in the HLO; debugging).
-    scan_layers: bool = True
     tie_embeddings: bool = False
     # Output-head bias, a float32 (V,) Param added to the main and MTP logits. "unigram": training sets it
     # at init to the training split's log unigram frequencies, so the model need not learn them as one
@@ -132,15 +140,7 @@ class ModelConfig:
     # every depth. With random ones, the near-uniform attention of a fresh model adds nearly the same
     # vector to every token in each layer, and the routers of deep layers see tokens that look alike.
     zero_init_out_proj: bool = False
-    rms_norm_eps: float = 1e-6
-    init_std: float = 0.02  # std of every projection's normal init
-    # Token-embedding init std; None: d_model ** -0.5 (MaxText's fan-in default). Not init_std: with
-    # embeddings as small as DeepSeek's 0.006 the (near-uniform) attention output dominates the residual
-    # stream at init, the tokens of a sequence look alike and the router collapses onto a few experts.
-    embedding_init_std: float | None = None
-    # Router (gate) kernel init std; None: init_std (DeepSeek/Megatron: one std for every projection);
-    # d_model ** -0.5 is MaxText's fan-in gate init.
-    router_init_std: float | None = None
+    init_std: float = 0.02  # std of every projection's normal init, the router's gate included (DeepSeek/Megatron)
     # "sign": b_i += rate * sign(mean - load_i) (DeepSeek-V3); "proportional": b_i += rate * (mean -
     # load_i) / mean, so an expert at 10x the mean load moves 9 steps' worth at once.
     router_bias_update: str = "sign"
@@ -171,12 +171,19 @@ class ModelConfig:
 
     # ----- derived sizes -----
     @property
+    def rms_norm_eps(self) -> float:
+        return RMS_NORM_EPS
+
+    @property
     def embedding_std(self) -> float:
-        return self.d_model ** -0.5 if self.embedding_init_std is None else float(self.embedding_init_std)
+        """Token-embedding init std, d_model ** -0.5 (MaxText's fan-in default), not init_std: with embeddings as
+        small as DeepSeek's 0.006 the (near-uniform) attention output dominates the residual stream at init, the
+        tokens of a sequence look alike and the router collapses onto a few experts."""
+        return self.d_model ** -0.5
 
     @property
     def router_std(self) -> float:
-        return self.init_std if self.router_init_std is None else float(self.router_init_std)
+        return self.init_std
 
     @property
     def qk_head_dim(self) -> int:
@@ -258,6 +265,11 @@ def _canonical_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check_removed(name: str, value: Any) -> None:
     kept, why = REMOVED_FIELDS[name]
+    if isinstance(kept, float) and isinstance(value, str):  # YAML reads 1e-6 (no dot) as a str
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     same = value == kept or (isinstance(kept, str) and value in ("kernel", "xla") and kept == "auto")
     if not same or isinstance(value, bool) != isinstance(kept, bool):
         raise ValueError(f"ModelConfig field {name!r} was removed ({why}); got {value!r}: drop it from the config")
@@ -266,10 +278,6 @@ def _check_removed(name: str, value: Any) -> None:
 def _coerce(name: str, value: Any, type_name: Any) -> Any:
     """Coerce YAML/CLI values (e.g. '1e-3', 2.0 for an int) to the field's type, or raise naming the field."""
     type_name = type_name if isinstance(type_name, str) else type_name.__name__
-    if type_name == "float | None":
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        type_name = "float"
     try:
         if type_name == "int":
             if isinstance(value, bool) or float(value) != int(float(value)):
@@ -341,18 +349,10 @@ def _validate(c: ModelConfig) -> None:
     _require(c.logits_dtype in LOGITS_DTYPES, "logits_dtype", f"got {c.logits_dtype!r}; expected one of {LOGITS_DTYPES}")
     _require(c.router_bias_update in ROUTER_BIAS_UPDATES, "router_bias_update",
              f"got {c.router_bias_update!r}; expected one of {ROUTER_BIAS_UPDATES}")
-    for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "init_std", "router_lr_scale"):
+    for name in ("routed_scaling_factor", "rope_theta", "init_std", "router_lr_scale"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name,
                  f"must be a positive finite number, got {value!r}")
-    _require(c.embedding_init_std is None or (
-        isinstance(c.embedding_init_std, (int, float)) and math.isfinite(c.embedding_init_std)
-        and c.embedding_init_std > 0), "embedding_init_std",
-        f"must be None or a positive finite number, got {c.embedding_init_std!r}")
-    _require(c.router_init_std is None or (
-        isinstance(c.router_init_std, (int, float)) and math.isfinite(c.router_init_std)
-        and c.router_init_std > 0), "router_init_std",
-        f"must be None or a positive finite number, got {c.router_init_std!r}")
     _require(isinstance(c.router_center_causal, bool), "router_center_causal",
              f"must be a bool, got {c.router_center_causal!r}")
     _require(isinstance(c.router_seq_load_penalty, (int, float)) and not isinstance(c.router_seq_load_penalty, bool)
@@ -371,11 +371,14 @@ def _validate(c: ModelConfig) -> None:
                  f"must be a finite number >= 0, got {value!r}")
     _require(isinstance(c.capacity_factor, (int, float)) and math.isfinite(c.capacity_factor),
              "capacity_factor", f"must be a finite number, got {c.capacity_factor!r}")
+    _require(not c.drop_tokens or (c.moe_path != "dense_cf" and c.capacity_factor > 0), "drop_tokens",
+             f"drops dense_cf's overflow on a dropless path and needs capacity_factor > 0; got moe_path "
+             f"{c.moe_path!r}, capacity_factor {c.capacity_factor!r}")
     _require(c.ep_exchange in EP_EXCHANGES, "ep_exchange",
              f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
     _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
              "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
-    for name in ("tie_embeddings", "scan_layers", "zero_init_out_proj"):
+    for name in ("tie_embeddings", "zero_init_out_proj"):
         _require(isinstance(getattr(c, name), bool), name, f"must be a bool, got {getattr(c, name)!r}")
 
 

@@ -1,12 +1,13 @@
-"""One-device exchanges: token copies -> expert-sorted rows -> the experts -> weighted sum per token.
+"""One-device exchanges: token copies -> expert-sorted rows -> an FFN -> weighted sum per token.
 
 An exchange is a function
     exchange(tokens (T, D), expert_ids (T, k) int32, combine_w (T, k) float32, n_experts, ffn)
         -> (y (T, D), computed () int32)
-that lays the token copies out by expert, calls `ffn(rows, group_sizes) -> out_rows` once (the experts,
-`experts.expert_ffn` with some grouped GEMM) and sums each token's outputs with its combine weights.
-`computed` counts the copies that reached an expert (the rest were dropped). The expert-parallel
-exchanges (`ep_exchange.py`) wrap these: their `ffn` moves rows to other ranks and back.
+that lays the token copies out by expert, calls `ffn(rows, group_sizes) -> out_rows` once and sums each
+token's outputs with its combine weights; it never looks inside `ffn` (the experts, `ops.expert_ffn`, or
+an expert-parallel exchange's move of the rows to other ranks and back). `computed` counts the copies that
+reached an expert (the rest were dropped). A `Stage` is the experts behind an exchange, ffn bound
+(`paths.expert_stage`; the expert-parallel exchanges of `ep_exchange.py` are stages too).
 
 - `sort_exchange`: pure JAX (argsort + gather; MaxText `sparse_matmul`). Ids in [0, E]; E means none.
 - `permute_exchange`: the turbo_moe.ops permute / unpermute FFI kernels. Ids outside [0, E) mean none.
@@ -21,9 +22,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from turbo_moe.ops.permute import permute
+from turbo_moe.ops.unpermute import unpermute
+
 # ffn(rows, group_sizes) -> out_rows; an exchange(tokens, expert_ids, combine_w, n_experts, ffn) -> (y, computed)
 Ffn = Callable[[jax.Array, "jax.Array | None"], jax.Array]
 Exchange = Callable[[jax.Array, jax.Array, jax.Array, int, Ffn], "tuple[jax.Array, jax.Array]"]
+# stage(tokens, expert_ids, combine_w, n_experts) -> (y, computed): the experts behind an exchange
+Stage = Callable[[jax.Array, jax.Array, jax.Array, int], "tuple[jax.Array, jax.Array]"]
 
 
 def sort_exchange(tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
@@ -45,19 +51,11 @@ def sort_exchange(tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
 
 def permute_exchange(tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
     """turbo_moe.ops.permute -> ffn -> unpermute (the weighted sum over a token's copies is fused in)."""
-    from turbo_moe import ops  # imported here so the other exchanges work without the FFI library
-
-    if getattr(ffn, "block", False):  # paths.ExpertFfn with ModelConfig.expert_backward == "block"
-        from turbo_moe.model.expert_block import expert_block
-
-        y, group_sizes = expert_block(tokens, expert_ids, combine_w, ffn.weights, n_experts, ffn.gemm,
-                                      ffn.swiglu_kernels)
-        return y, group_sizes.sum()
     with jax.named_scope("permute"):
-        rows, group_sizes, handle = ops.permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,)
+        rows, group_sizes, handle = permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,)
     out_rows = ffn(rows, group_sizes)  # (T*k, D)
     with jax.named_scope("unpermute"):
-        y = ops.unpermute(out_rows, handle, combine_w)  # (T, D)
+        y = unpermute(out_rows, handle, combine_w)  # (T, D)
     return y, group_sizes.sum()
 
 

@@ -23,13 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
 from turbo_moe.model.ep_exchange import deepep_capacity
 from turbo_moe.model.experts import ExpertStats, ExpertWeights
-from turbo_moe.model.gemms import require
 from turbo_moe.model.mesh import (  # noqa: F401  (expert_axis_size, mesh_device_count: re-exported)
     EXPERT_AXIS, expert_axis_size, mesh_device_count, mesh_or_ambient, mesh_platform)
-from turbo_moe.model.paths import build_exchange, path_row, run_exchange
+from turbo_moe.model.paths import ExpertFfn, build_stage, device_gemms, path_row, run_stage
 from turbo_moe.model.router import Routing
 from turbo_moe.ops.ragged_exchange import default_impl
 from turbo_moe.ops.varying import make_varying
@@ -53,11 +51,7 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
     (`ModelConfig.ep_layout`). expert_backward ("block" | "autodiff"), swiglu_impl ("auto" | "kernel" | "xla"): each
     rank's local experts' backward and SwiGLU; the model always runs the defaults, the others are test references.
     """
-    if path not in MOE_PATHS:
-        raise ValueError(f"path: unknown MoE path {path!r}; expected one of {MOE_PATHS}")
-    if ep_exchange not in EP_EXCHANGES:
-        raise ValueError(f"ep_exchange: got {ep_exchange!r}; expected one of {EP_EXCHANGES}")
-    row = path_row(path, ep_exchange)
+    row = path_row(path, ep_exchange)  # a ValueError naming the argument for a pair the table lacks
     if not (isinstance(ep_capacity_factor, (int, float)) and math.isfinite(ep_capacity_factor)):
         raise ValueError(f"ep_capacity_factor: must be a finite number, got {ep_capacity_factor!r}")
     mesh = mesh_or_ambient(mesh)
@@ -77,15 +71,14 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
         if b % n_devices:
             raise ValueError(f"x: batch {b} must be divisible by the {n_devices} devices of the mesh "
                              f"{dict(mesh.shape)}")
-        require(row.gemm, path)
-        exchange = build_exchange(row, seq_len=s, capacity_factor=capacity_factor, axis_name=expert_axis,
-                                  impl=impl, capacity=deepep_capacity(b * s // n_devices, ep_capacity_factor),
-                                  layout=ep_layout)
+        gemms = device_gemms(row, path, swiglu_impl)
+        capacity = deepep_capacity(b * s // n_devices, ep_capacity_factor)
 
         def sharded(x, ids, combine_w, w):
-            w_local = _varying_like(w.astype(x.dtype), batch_axes)
-            y, done = run_exchange(exchange, row.gemm, x, ids, combine_w, w_local, n_experts, expert_backward,
-                                   swiglu_impl)
+            ffn = ExpertFfn(_varying_like(w.astype(x.dtype), batch_axes), gemms)  # this rank's experts
+            stage = build_stage(row, ffn, expert_backward == "block", seq_len=s, capacity_factor=capacity_factor,
+                                axis_name=expert_axis, impl=impl, capacity=capacity, layout=ep_layout)
+            y, done = run_stage(stage, x, ids, combine_w, n_experts)
             load = jnp.zeros((n_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)  # (E,) before drops
             load = jax.lax.psum(load, batch_axes)
             total = b * s * k  # every copy of the global batch

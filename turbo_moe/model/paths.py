@@ -1,11 +1,14 @@
-"""The MoE paths: one table mapping (moe_path, ep_exchange) to its (exchange, expert GEMM) pair.
+"""The MoE paths: one table mapping (moe_path, ep_exchange) to its (exchange, GEMM set) pair.
 
-A path lays the token copies out by expert (the exchange), runs `experts.expert_ffn` with a grouped
-GEMM, and brings the outputs back. One device (or one data-parallel shard) uses the ONE_DEVICE rows;
-under a mesh with an `expert` axis, `expert_parallel.ep_moe_path` uses the row of the configured
-`ep_exchange`, whose exchange wraps the one-device one. Adding a path is one row per ep_exchange here
-plus its exchange (`exchanges.py`, `ep_exchange.py`) or GEMM (`gemms.py`), and its name in
-`config.MOE_PATHS`.
+A path lays the token copies out by expert (the exchange), runs the experts' SwiGLU FFN with a GEMM set
+(`turbo_moe.ops.GEMM_SETS`), and brings the outputs back. One device (or one data-parallel shard) uses the
+ONE_DEVICE rows; under a mesh with an `expert` axis, `expert_parallel.ep_moe_path` uses the row of the
+configured `ep_exchange`, whose exchange wraps the one-device one. Adding a path is one row per ep_exchange
+here plus its exchange (`exchanges.py`, `ep_exchange.py`) or GEMM set (`turbo_moe/ops/gemm_sets.py`), and its
+name in `config.MOE_PATHS`.
+
+The experts behind the permute exchange run as one op, `ops.expert_block` (permute -> FFN -> unpermute with one
+VJP); the other exchanges hand their rows to `ops.expert_ffn`. `expert_stage` makes that choice, here only.
 
 For accounting: `MOE_PATHS` (the path names), `DROPLESS_PATHS`, `expert_capacity` (dense_cf's slots).
 """
@@ -21,10 +24,11 @@ import jax.numpy as jnp
 from turbo_moe.model import ep_exchange as ep
 from turbo_moe.model import exchanges
 from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
-from turbo_moe.model.exchanges import expert_capacity  # noqa: F401  (re-exported for accounting)
-from turbo_moe.model.experts import ExpertStats, ExpertWeights, expert_ffn, routed_load
-from turbo_moe.model.gemms import GEMMS, SwigluKernels, require, swiglu_kernels
+from turbo_moe.model.exchanges import Stage, expert_capacity  # noqa: F401  (expert_capacity: for accounting)
+from turbo_moe.model.experts import ExpertStats, ExpertWeights, routed_load
 from turbo_moe.model.router import Routing
+from turbo_moe.ops.expert_block import expert_block, expert_ffn
+from turbo_moe.ops.gemm_sets import GEMM_SETS, GemmSet
 
 ONE_DEVICE = "one_device"  # the ep_exchange column of the rows used without expert parallelism
 
@@ -32,11 +36,11 @@ ONE_DEVICE = "one_device"  # the ep_exchange column of the rows used without exp
 class PathRow(NamedTuple):
     exchange: str  # a one-device exchange: key of LOCAL_EXCHANGES
     ep_wrapper: str | None  # the expert-parallel exchange around it: key of EP_WRAPPERS (None: one device)
-    gemm: str  # key of gemms.GEMMS
+    gemm: str  # key of ops.GEMM_SETS
 
 
 PATHS: dict[tuple[str, str], PathRow] = {
-    # (moe_path, ep_exchange):                  exchange     EP wrapper            expert GEMM
+    # (moe_path, ep_exchange):                  exchange     EP wrapper            GEMM set
     ("dense_cf", ONE_DEVICE):           PathRow("capacity", None,                "einsum"),
     ("dense_cf", "deepep"):             PathRow("capacity", "all_to_all",        "einsum"),
     ("dense_cf", "ragged_all_to_all"):  PathRow("capacity", "all_to_all",        "einsum"),
@@ -63,46 +67,77 @@ EP_WRAPPERS = {"ragged_all_to_all": ep.ragged_all_to_all, "deepep": ep.deepep, "
 if set(PATHS) != {(p, e) for p in MOE_PATHS for e in (ONE_DEVICE,) + EP_EXCHANGES}:
     raise ImportError(f"turbo_moe.model.paths.PATHS must have one row per (moe_path, ep_exchange) of {MOE_PATHS} "
                       f"x {(ONE_DEVICE,) + EP_EXCHANGES}")
+if {row.gemm for row in PATHS.values()} - set(GEMM_SETS):
+    raise ImportError(f"turbo_moe.model.paths.PATHS names GEMM sets outside ops.GEMM_SETS {tuple(GEMM_SETS)}")
 
 
 def path_row(moe_path: str, ep_exchange: str = ONE_DEVICE) -> PathRow:
-    if moe_path not in MOE_PATHS:
-        raise ValueError(f"moe_path: unknown path {moe_path!r}; expected one of {MOE_PATHS}")
-    if (moe_path, ep_exchange) not in PATHS:
+    """The table's row for (moe_path, ep_exchange). A ModelConfig's names are checked when it is built; a name
+    the table lacks, from a direct caller, is a ValueError naming the argument."""
+    row = PATHS.get((moe_path, ep_exchange))
+    if row is None and moe_path not in MOE_PATHS:
+        raise ValueError(f"moe_path: unknown MoE path {moe_path!r}; expected one of {MOE_PATHS}")
+    if row is None:
         raise ValueError(f"ep_exchange: got {ep_exchange!r}; expected one of {EP_EXCHANGES}")
-    return PATHS[(moe_path, ep_exchange)]
+    return row
 
 
-def build_exchange(row: PathRow, **params) -> exchanges.Exchange:
-    """The row's exchange; params: seq_len, capacity_factor (one device) and axis_name, impl, capacity, layout (EP)."""
-    local = LOCAL_EXCHANGES[row.exchange](**params)
-    return local if row.ep_wrapper is None else EP_WRAPPERS[row.ep_wrapper](local, **params)
-
-
-def run_exchange(exchange: exchanges.Exchange, gemm: str, x: jax.Array, expert_ids: jax.Array,
-                 combine_w: jax.Array, weights: ExpertWeights, n_experts: int,
-                 expert_backward: str = "block", swiglu_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """x (B, S, D), expert_ids / combine_w (B, S, k) -> (y (B, S, D), copies computed () int32)."""
-    b, s, d = x.shape
-    k = expert_ids.shape[-1]
-    fused = swiglu_kernels(gemm, swiglu_impl)
-    ffn = ExpertFfn(weights, GEMMS[gemm], expert_backward == "block", fused)
-    y, computed = exchange(x.reshape(b * s, d), expert_ids.reshape(b * s, k),
-                           combine_w.reshape(b * s, k).astype(jnp.float32), n_experts, ffn)
-    return y.reshape(b, s, d), computed
+def device_gemms(row: PathRow, moe_path: str, swiglu_impl: str = "auto") -> GemmSet:
+    """The row's GEMM set as the default devices run it (decided at trace time): a ValueError naming `moe_path` when
+    they cannot; the fused gate/up + SwiGLU kept with swiglu_impl "kernel", and with "auto" on GPUs only (XLA's
+    SwiGLU fusion is faster on the CPU)."""
+    gemms = GEMM_SETS[row.gemm]
+    problem = gemms.device_problem()
+    if problem:
+        raise ValueError(f"moe_path={moe_path!r}: {problem}. Use moe_path='turbo' or 'ragged' here.")
+    if swiglu_impl == "kernel" or (swiglu_impl == "auto" and jax.default_backend() == "gpu"):
+        return gemms
+    return gemms.without_fused_swiglu()
 
 
 class ExpertFfn(NamedTuple):
-    """The exchanges' `ffn(rows, group_sizes)`: `experts.expert_ffn` with these weights and grouped GEMM.
-    With `block`, the permute exchange runs permute -> experts -> unpermute as `expert_block.expert_block`."""
+    """The exchanges' `ffn(rows, group_sizes)`: `ops.expert_ffn` with these weights and GEMM set."""
 
     weights: ExpertWeights
-    gemm: Callable
-    block: bool = False
-    swiglu_kernels: SwigluKernels | None = None  # the block's SwiGLU kernels' GEMM calls (gemms.SWIGLU_KERNELS)
+    gemms: GemmSet
 
     def __call__(self, rows, group_sizes):
-        return expert_ffn(rows, self.weights, group_sizes, self.gemm)
+        return expert_ffn(rows, self.weights.w_gate_up, self.weights.w_down, group_sizes, self.gemms)
+
+
+def expert_stage(exchange: str, ffn: ExpertFfn, block: bool = True, **params) -> Stage:
+    """The experts behind the one-device exchange `exchange`: `ops.expert_block` for "permute" (with `block`; False
+    is the test reference, the permute exchange handing its rows to `ffn`), else the exchange and `ffn`."""
+    if block and exchange == "permute":
+        def stage(tokens, expert_ids, combine_w, n_experts: int):
+            if n_experts != ffn.weights.n_experts:
+                raise ValueError(f"n_experts={n_experts} but the expert weights hold {ffn.weights.n_experts}")
+            y, group_sizes = expert_block(tokens, expert_ids, combine_w, ffn.weights.w_gate_up, ffn.weights.w_down,
+                                          ffn.gemms)
+            return y, group_sizes.sum()
+        return stage
+    local = LOCAL_EXCHANGES[exchange](**params)
+    return lambda tokens, expert_ids, combine_w, n_experts: local(tokens, expert_ids, combine_w, n_experts, ffn)
+
+
+def build_stage(row: PathRow, ffn: ExpertFfn, block: bool = True, **params) -> Stage:
+    """The row's experts behind its exchange; params: seq_len, capacity_factor (one device) and axis_name, impl,
+    capacity, layout (EP). Under EP `ffn` runs this rank's experts."""
+    stage = expert_stage(row.exchange, ffn, block, **params)
+    if row.ep_wrapper is None:
+        return stage
+    local = LOCAL_EXCHANGES[row.exchange](**params)
+    return EP_WRAPPERS[row.ep_wrapper](local, stage=stage, ffn=ffn, **params)
+
+
+def run_stage(stage: Stage, x: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
+              n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """x (B, S, D), expert_ids / combine_w (B, S, k) -> (y (B, S, D), copies computed () int32)."""
+    b, s, d = x.shape
+    k = expert_ids.shape[-1]
+    y, computed = stage(x.reshape(b * s, d), expert_ids.reshape(b * s, k),
+                        combine_w.reshape(b * s, k).astype(jnp.float32), n_experts)
+    return y.reshape(b, s, d), computed
 
 
 MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, ExpertStats]"]
@@ -111,17 +146,17 @@ MoEPath = Callable[[jax.Array, Routing, ExpertWeights], "tuple[jax.Array, Expert
 def moe_path_fn(moe_path: str, capacity_factor: float, expert_backward: str = "block",
                 swiglu_impl: str = "auto") -> MoEPath:
     """The one-device path `(x (B, S, D), routing, weights) -> (y (B, S, D), ExpertStats)`. Paths with the permute
-    exchange run the expert block ("block") and the SwiGLU kernels where the device has them ("auto"); the model always
-    runs these defaults, and tests pass "autodiff" / "kernel" / "xla" as references."""
+    exchange run the expert block ("block") and the fused SwiGLU kernels where the device has them ("auto"); the model
+    always runs these defaults, and tests pass "autodiff" / "kernel" / "xla" as references."""
     row = path_row(moe_path)
 
     def run(x: jax.Array, routing: Routing, weights: ExpertWeights) -> tuple[jax.Array, ExpertStats]:
-        require(row.gemm, moe_path)
+        gemms = device_gemms(row, moe_path, swiglu_impl)
         b, s, _ = x.shape
         k = routing.expert_ids.shape[-1]
-        exchange = build_exchange(row, seq_len=s, capacity_factor=capacity_factor)
-        y, computed = run_exchange(exchange, row.gemm, x, routing.expert_ids, routing.weights,
-                                   weights.astype(x.dtype), weights.n_experts, expert_backward, swiglu_impl)
+        ffn = ExpertFfn(weights.astype(x.dtype), gemms)
+        stage = build_stage(row, ffn, expert_backward == "block", seq_len=s, capacity_factor=capacity_factor)
+        y, computed = run_stage(stage, x, routing.expert_ids, routing.weights, weights.n_experts)
         dropped = 1.0 - computed.astype(jnp.float32) / (b * s * k)
         return y, ExpertStats(routed_load(routing.expert_ids, weights.n_experts), dropped)
 

@@ -3,8 +3,7 @@
 A `BlockStack` holds `n` blocks of one kind (dense or MoE) as ONE module whose every array has a
 leading layer axis (L, ...). Initialisation vmaps the block constructor over L keys and the forward
 pass scans over L, so both compile one block, whatever the depth. Per-layer meaning is kept: the
-router biases are (L, E), the stats the scan returns are per layer. `cfg.scan_layers=False` runs the
-same stacked weights in a Python loop (every layer in the HLO: for debugging), with the same results.
+router biases are (L, E), the stats the scan returns are per layer.
 """
 
 from __future__ import annotations
@@ -17,14 +16,15 @@ from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.ep_exchange import EP_RECEIVED_NAME
-from turbo_moe.model.experts import EXPERT_SAVE_NAMES, RoutedExperts
+from turbo_moe.model.experts import RoutedExperts
 from turbo_moe.model.layers import ATTENTION_SAVE_NAME, MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
 from turbo_moe.model.router import ROUTER_SAVE_NAME
+from turbo_moe.ops.expert_block import EXPERT_SAVE_NAMES
 from turbo_moe.ops.permute import ROW_INDEX_NAME
 from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
 
-# The routed experts' tensors the backward pass reads (named in `experts.expert_ffn`), and the cuDNN
+# The routed experts' tensors the backward pass reads (named in `ops.expert_ffn` / `ops.expert_block`), and the cuDNN
 # attention kernel's outputs (its output and softmax statistics are its backward's residuals). Neither is
 # a plain dot, so under "dots_no_batch" the grouped GEMMs, the permute and cuDNN's forward run again in the
 # backward pass (docs/performance.md).
@@ -82,7 +82,7 @@ def block_fn(cfg: ModelConfig, graphdef):
     if cfg.remat_policy == "none":
         return run
     # prevent_cse=False: the scan already keeps XLA from merging the recomputation with the forward.
-    return jax.checkpoint(run, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
+    return jax.checkpoint(run, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
 
 
 def apply_block(cfg: ModelConfig, block: DecoderBlock, h, cos, sin):
@@ -121,19 +121,7 @@ class BlockStack(nnx.Module):
         def body(carry, layer_state):
             return run(carry, layer_state, cos, sin)
 
-        if self.cfg.scan_layers:
-            return jax.lax.scan(body, h, state)
-        # One split per stacked weight, not a slice per layer: the gradient of L slices is L zero-padded full-size
-        # stacks summed (XLA fused that chain into the optimizer's norm); the gradient of a split is one concatenate.
-        leaves, treedef = jax.tree.flatten(state)
-        pieces = [jax.lax.split(a, [1] * self.n_blocks, axis=0) for a in leaves]
-        per_layer = []
-        for i in range(self.n_blocks):
-            h, stats = body(h, jax.tree.unflatten(treedef, [p[i][0] for p in pieces]))
-            per_layer.append(stats)
-        if per_layer[0] is None:
-            return h, None
-        return h, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+        return jax.lax.scan(body, h, state)
 
 
 def cast_at_use_paths(blocks: nnx.Module, dtype) -> set[tuple]:

@@ -3,8 +3,13 @@ CPU handlers always; CUDA handlers when built.
 
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad;
   ragged_dot_general: jax.lax.ragged_dot_general's ragged-M and ragged-contracting modes on those kernels;
+  grouped_gemm_fp8: the grouped GEMM in FP8 with DeepSeek-V3's 1x128 / 128x128 scaling (Hopper kernel, emulated
+  elsewhere);
   grouped_gemm_swiglu: the gate/up GEMM and SwiGLU of an expert FFN, both outputs from one call;
   swiglu_combine_grad: SwiGLU's backward, the combine weights' gradient and act * w in one pass (no VJP of its own).
+- expert_block: a MoE layer's routed experts as one op (permute -> SwiGLU FFN -> unpermute, one custom VJP) for any
+  GEMM set (GemmSet: forward, data and weight gradients, optionally the fused gate/up + SwiGLU; GEMM_SETS holds them);
+  expert_ffn: the same FFN on expert-sorted rows, differentiated by autodiff.
 - permute / unpermute: single-device dispatch/combine, each other's transposes; permute_rows: a permute's
   copy step again for new rows (its row index and group sizes known).
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
@@ -14,9 +19,12 @@ CPU handlers always; CUDA handlers when built.
   layout of moe_dispatch and the model's ragged EP path use it.
 """
 from turbo_moe.ops._ffi import ensure_registered, kernel_info
+from turbo_moe.ops.expert_block import expert_block, expert_ffn
+from turbo_moe.ops.gemm_sets import GEMM_SETS, GemmSet
 from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
+from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops.ragged_dot_general import ragged_dot_general
 from turbo_moe.ops.swiglu_combine_grad import swiglu_combine_grad
@@ -29,9 +37,14 @@ from turbo_moe.ops.unpermute import unpermute
 __all__ = [
     "ensure_registered",
     "kernel_info",
+    "expert_block",
+    "expert_ffn",
+    "GemmSet",
+    "GEMM_SETS",
     "grouped_gemm",
     "grouped_gemm_weight_grad",
     "ragged_dot_general",
+    "grouped_gemm_fp8",
     "grouped_gemm_swiglu",
     "swiglu_combine_grad",
     "permute",

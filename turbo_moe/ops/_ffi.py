@@ -32,6 +32,8 @@ TARGETS = (
     "turbo_moe_router_topk",
     "turbo_moe_segment_sum",
 )
+# Hopper-only handlers: the CUDA library has them (when built with CUTLASS); the CPU runs these ops in jnp.
+CUDA_ONLY_TARGETS = ("turbo_moe_grouped_gemm_fp8", "turbo_moe_grouped_gemm_fp8_weight_grad")
 CPU_LIBRARY = "libturbo_moe_cpu.so"
 CUDA_LIBRARY = "libturbo_moe_cuda.so"
 
@@ -59,7 +61,7 @@ def _register(path: Path, platform: str, required: bool) -> list[str]:
     """Registers the targets `path` exports; a required library must export all of them."""
     lib = ctypes.CDLL(str(path))
     missing = []
-    for target in TARGETS:
+    for target in TARGETS + (CUDA_ONLY_TARGETS if platform == "CUDA" else ()):
         symbol = getattr(lib, target, None)
         if symbol is None:
             missing.append(target)

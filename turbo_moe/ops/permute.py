@@ -59,7 +59,7 @@ def permute_rows(x, handle: PermuteHandle, group_sizes):
     x_sorted[handle.row_index[t, j]] = x[t]; rows from sum(group_sizes) on are zero (rows below it that no entry
     fills are unspecified: a permute's row index fills them all). (T, H), PermuteHandle,
     int32 (E,) -> (T*k, H). For a backward pass that needs the permuted rows (or a gradient's) again without
-    keeping them (turbo_moe.model.expert_block). Not differentiable (its transpose is `unpermute` with unit
+    keeping them (turbo_moe.ops.expert_block). Not differentiable (its transpose is `unpermute` with unit
     weights). Row index entries outside [0, T*k) copy nothing.
     """
     if not isinstance(handle, PermuteHandle):

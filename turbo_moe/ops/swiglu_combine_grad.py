@@ -1,4 +1,4 @@
-"""The expert block's SwiGLU backward with its combine weights, in one pass (`model.expert_block`).
+"""The expert block's SwiGLU backward with its combine weights, in one pass (`ops.expert_block`).
 
 For h (..., 2F) = [gate | up], g (..., F) (the down GEMM's data gradient of the *unweighted* output cotangent) and
 w (...) float32 (each row's combine weight):

@@ -1,0 +1,202 @@
+"""`ops.expert_block` (permute -> SwiGLU FFN -> unpermute, one custom VJP) and `ops.expert_ffn` for any GEMM set:
+outputs and gradients against a float32 reference built from jnp ops (dropped copies, experts with no rows, K and N
+not multiples of 8), the block against its pieces differentiated by autodiff, each set's gradients against its
+forward's VJP, a set defined outside the table, and errors that name the argument."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from turbo_moe import ops
+from turbo_moe.ops import GEMM_SETS, GemmSet
+from turbo_moe.ops.expert_block import swiglu
+from turbo_moe.ops.gemm_sets import gradients_by_autodiff
+
+F32 = jnp.float32
+
+
+def reference(tokens, expert_ids, combine_w, w_gate_up, w_down):
+    """y[t] = sum_j combine_w[t, j] * SwiGLU expert_{ids[t, j]}(tokens[t]) in float32, each copy gathering its
+    expert's weights; a copy whose id is outside [0, E) contributes nothing."""
+    e, f = w_gate_up.shape[0], w_down.shape[1]
+    kept = (expert_ids >= 0) & (expert_ids < e)
+    ids = jnp.where(kept, expert_ids, 0)
+    h = jnp.einsum("td,tkdf->tkf", tokens.astype(F32), w_gate_up.astype(F32)[ids])  # (T, k, 2F)
+    act = jax.nn.silu(h[..., :f]) * h[..., f:]
+    out = jnp.einsum("tkf,tkfd->tkd", act, w_down.astype(F32)[ids])  # (T, k, D)
+    return jnp.einsum("tkd,tk->td", out, jnp.where(kept, combine_w.astype(F32), 0.0))
+
+
+def make_case(routing="random", t=13, k=3, d=20, f=13, e=6, seed=7):
+    """T*k = 39 rows, K = D = 20 and N = 2F = 26 (then K = F = 13, N = D = 20): no multiple of 8."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    tokens = jax.random.normal(keys[0], (t, d))
+    ids = jax.random.randint(keys[1], (t, k), 0, e)
+    if routing == "skewed":  # every copy on experts 0 and 1: four experts get no rows
+        ids = jnp.where(jnp.arange(k) == 0, 0, 1) * jnp.ones((t, 1), jnp.int32)
+    if routing == "dropped":  # ids outside [0, E) drop their copies; token 0 loses all of them
+        ids = ids.at[0].set(-1).at[3, 1].set(e).at[5, 2].set(e + 3)
+    combine_w = jax.random.uniform(keys[2], (t, k), minval=0.1, maxval=1.0)
+    w_gate_up = jax.random.normal(keys[3], (e, d, 2 * f)) * 0.3
+    w_down = jax.random.normal(keys[4], (e, f, d)) * 0.3
+    cotangent = jax.random.normal(keys[5], (t, d))
+    return (tokens, ids, combine_w, w_gate_up, w_down), cotangent
+
+
+DIFF_ARGS = (0, 2, 3, 4)  # tokens, combine_w, w_gate_up, w_down
+NAMES = ("tokens", "combine_w", "w_gate_up", "w_down")
+
+
+def loss_and_grads(fn, args, cotangent, dtype):
+    def loss(tokens, ids, combine_w, w_gate_up, w_down):
+        y = fn(tokens.astype(dtype), ids, combine_w, w_gate_up.astype(dtype), w_down.astype(dtype))
+        y = y[0] if isinstance(y, tuple) else y
+        return jnp.sum(y.astype(F32) * cotangent)
+
+    return jax.jit(jax.value_and_grad(loss, DIFF_ARGS))(*args)
+
+
+def assert_close(got, want, tolerance, loss=True):
+    (got_loss, got_grads), (want_loss, want_grads) = got, want
+    if loss:  # a sum of T*D products: in bfloat16 its cancellation leaves no relative tolerance
+        np.testing.assert_allclose(got_loss, want_loss, **tolerance)
+    for name, g, w in zip(NAMES, got_grads, want_grads):
+        assert g.shape == w.shape, name
+        scale = float(jnp.max(jnp.abs(w))) or 1.0
+        np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w) / scale, err_msg=name,
+                                   **tolerance)
+
+
+SETS = {"turbo": GEMM_SETS["turbo"], "turbo_xla_swiglu": GEMM_SETS["turbo"].without_fused_swiglu(),
+        "ragged_dot": GEMM_SETS["ragged_dot"]}
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed", "dropped"])
+@pytest.mark.parametrize("gemms", list(SETS))
+def test_block_matches_the_float32_reference(gemms, routing):
+    args, cotangent = make_case(routing)
+    block = lambda *a: ops.expert_block(*a, gemms=SETS[gemms])
+    y, group_sizes = jax.jit(block)(*args)
+    np.testing.assert_allclose(y, reference(*args), rtol=1e-5, atol=1e-5)
+    ids = np.asarray(args[1]).ravel()
+    np.testing.assert_array_equal(group_sizes, np.bincount(ids[(ids >= 0) & (ids < 6)], minlength=6))
+    got = loss_and_grads(block, args, cotangent, F32)
+    assert_close(got, loss_and_grads(reference, args, cotangent, F32), dict(rtol=1e-5, atol=1e-5))
+    if routing == "dropped":  # token 0 lost every copy: no gradient reaches it or its weights
+        assert np.all(np.asarray(got[1][0][0]) == 0) and np.all(np.asarray(got[1][1][0]) == 0)
+
+
+@pytest.mark.parametrize("gemms", ["turbo", "turbo_xla_swiglu"])
+def test_block_in_bfloat16_is_close_to_the_reference(gemms):
+    args, cotangent = make_case("dropped")
+    bf16 = [a.astype(jnp.bfloat16) if a.dtype == F32 else a for a in args]
+    y, _ = jax.jit(lambda *a: ops.expert_block(*a, gemms=SETS[gemms]))(*bf16)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), reference(*bf16), rtol=5e-2, atol=5e-2)
+    got = loss_and_grads(lambda *a: ops.expert_block(*a, gemms=SETS[gemms]), bf16, cotangent, jnp.bfloat16)
+    assert_close(got, loss_and_grads(reference, bf16, cotangent, F32), dict(rtol=5e-2, atol=3e-2), loss=False)
+
+
+def pieces(gemms):
+    """permute -> expert_ffn -> unpermute, each op differentiated by its own VJP."""
+
+    def run(tokens, ids, combine_w, w_gate_up, w_down):
+        rows, group_sizes, handle = ops.permute(tokens, ids, w_gate_up.shape[0])
+        return ops.unpermute(ops.expert_ffn(rows, w_gate_up, w_down, group_sizes, gemms), handle, combine_w)
+
+    return run
+
+
+@pytest.mark.parametrize("gemms", ["turbo", "turbo_xla_swiglu"])
+@pytest.mark.parametrize("routing", ["random", "skewed", "dropped"])
+def test_block_equals_its_pieces_by_autodiff(routing, gemms):
+    args, cotangent = make_case(routing)
+    y, _ = jax.jit(lambda *a: ops.expert_block(*a, gemms=SETS[gemms]))(*args)
+    np.testing.assert_allclose(y, jax.jit(pieces(SETS[gemms]))(*args), rtol=1e-6, atol=1e-6)
+    assert_close(loss_and_grads(lambda *a: ops.expert_block(*a, gemms=SETS[gemms]), args, cotangent, F32),
+                 loss_and_grads(pieces(SETS[gemms]), args, cotangent, F32), dict(rtol=1e-5, atol=1e-5))
+
+
+def _ragged_gate_up_swiglu(rows, w, group_sizes):
+    h = jax.lax.ragged_dot(rows, w, group_sizes)
+    return h, swiglu(h)
+
+
+def test_a_set_defined_outside_the_table_runs_the_fused_branch():
+    """Adding a GEMM is one GemmSet: here XLA's ragged_dot with a gate/up + SwiGLU of its own, passed as an object."""
+    forward = GEMM_SETS["ragged_dot"].forward
+    mine = GemmSet("mine", forward, *gradients_by_autodiff(forward), gate_up_swiglu=_ragged_gate_up_swiglu)
+    args, cotangent = make_case("dropped")
+    block = lambda *a: ops.expert_block(*a, gemms=mine)
+    np.testing.assert_allclose(jax.jit(block)(*args)[0], reference(*args), rtol=1e-5, atol=1e-5)
+    assert_close(loss_and_grads(block, args, cotangent, F32), loss_and_grads(reference, args, cotangent, F32),
+                 dict(rtol=1e-5, atol=1e-5))
+
+
+@pytest.mark.parametrize("name", ["turbo", "ragged_dot"])
+def test_each_set_holds_its_forwards_gradients(name):
+    """data_grad and weight_grad are the forward's VJP; gate_up_swiglu is forward then SwiGLU (on the group rows)."""
+    gemms = GEMM_SETS[name]
+    keys = jax.random.split(jax.random.key(3), 4)
+    rows, w = jax.random.normal(keys[0], (21, 12)), jax.random.normal(keys[1], (4, 12, 10))
+    group_sizes = jnp.array([5, 0, 9, 3], jnp.int32)  # 17 group rows of 21, an empty group
+    d_out = jax.random.normal(keys[2], (21, 10))
+    out, vjp = jax.vjp(lambda r, w: gemms.forward(r, w, group_sizes), rows, w)
+    d_rows, d_w = vjp(d_out)
+    np.testing.assert_allclose(gemms.data_grad(d_out, w, group_sizes)[:17], d_rows[:17], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gemms.weight_grad(rows, d_out, group_sizes), d_w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gemms.forward(rows, w, group_sizes, zero_tail=False)[:17], out[:17])
+    if gemms.gate_up_swiglu is not None:
+        h, act = gemms.gate_up_swiglu(rows, w, group_sizes)
+        np.testing.assert_allclose(h[:17], out[:17], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(act[:17], jax.nn.silu(out[:17, :5]) * out[:17, 5:], rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_set_multiplies_capacity_slots():
+    gemms = GEMM_SETS["einsum"]
+    slots, w = jax.random.normal(jax.random.key(0), (3, 2, 4, 6)), jax.random.normal(jax.random.key(1), (3, 6, 5))
+    d_out = jax.random.normal(jax.random.key(2), (3, 2, 4, 5))
+    np.testing.assert_allclose(gemms.forward(slots, w, None), jnp.einsum("ebck,ekn->ebcn", slots, w), rtol=1e-6)
+    np.testing.assert_allclose(gemms.weight_grad(slots, d_out, None), jnp.einsum("ebck,ebcn->ekn", slots, d_out),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gemms.data_grad(d_out, w, None), jnp.einsum("ebcn,ekn->ebck", d_out, w),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_set_names_what_it_needs_off_hopper():
+    if jax.devices()[0].platform == "gpu" and str(jax.devices()[0].compute_capability).startswith("9."):
+        pytest.skip("a Hopper GPU runs the set")
+    assert "Hopper GPU" in GEMM_SETS["pallas"].device_problem()
+    assert GEMM_SETS["turbo"].device_problem() is None
+
+
+def test_bad_arguments_name_themselves():
+    (tokens, ids, combine_w, w_gu, w_down), _ = make_case()
+    block = ops.expert_block
+    with pytest.raises(ValueError, match=r"tokens must have rank 2 \(T, D\)"):
+        block(tokens[None], ids, combine_w, w_gu, w_down)
+    with pytest.raises(TypeError, match="tokens must be bfloat16, float16 or float32"):
+        block(tokens.astype(jnp.int32), ids, combine_w, w_gu, w_down)
+    with pytest.raises(TypeError, match="expert_ids must be an integer array"):
+        block(tokens, ids.astype(F32), combine_w, w_gu, w_down)
+    with pytest.raises(ValueError, match=r"combine_w must be \(T, k\)"):
+        block(tokens, ids, combine_w[:, :2], w_gu, w_down)
+    with pytest.raises(TypeError, match="combine_w must be a float array"):
+        block(tokens, ids, ids, w_gu, w_down)
+    with pytest.raises(ValueError, match=r"w_gate_up must be \(E, D, 2F\) with D = 20"):
+        block(tokens, ids, combine_w, w_gu[:, :8], w_down)
+    with pytest.raises(ValueError, match=r"w_gate_up must be \(E, D, 2F\) with D = 20 .* even 2F"):
+        block(tokens, ids, combine_w, w_gu[..., :25], w_down)
+    with pytest.raises(ValueError, match=r"w_down must be \(E, F, D\) = \(6, 13, 20\)"):
+        block(tokens, ids, combine_w, w_gu, w_down[:5])
+    with pytest.raises(TypeError, match="w_down must have w_gate_up's dtype"):
+        block(tokens, ids, combine_w, w_gu, w_down.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="must have tokens' dtype float32"):
+        block(tokens, ids, combine_w, w_gu.astype(jnp.bfloat16), w_down.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="gemms must be a GemmSet or one of"):
+        block(tokens, ids, combine_w, w_gu, w_down, gemms="cutlass")
+    with pytest.raises(ValueError, match="'einsum' set multiplies capacity slots"):
+        block(tokens, ids, combine_w, w_gu, w_down, gemms="einsum")
+    with pytest.raises(ValueError, match=r"w_gate_up must be \(E, D, 2F\) with D = 20"):
+        ops.expert_ffn(tokens, w_gu[:, :8], w_down, jnp.zeros((6,), jnp.int32))

@@ -1,0 +1,118 @@
+"""GEMM sets: the grouped GEMMs an expert FFN runs, one frozen `GemmSet` per kind, all in one table.
+
+A set holds the forward GEMM, its data and weight gradients and, optionally, the gate/up GEMM fused with SwiGLU:
+    forward(rows (M, K), w (E, K, N), group_sizes (E,) int32, zero_tail=True) -> (M, N) = rows @ w[group of row]
+        differentiable. zero_tail=False lets the rows past sum(group_sizes) stay unwritten, for a caller that reads
+        only group rows (a set may zero them anyway).
+    data_grad(d_out (M, N), w (E, K, N), group_sizes, zero_tail=True) -> (M, K) = d_out @ w[g]^T
+    weight_grad(lhs (M, K), d_out (M, N), group_sizes) -> (E, K, N): lhs[rows_g]^T @ d_out[rows_g]
+    gate_up_swiglu(rows (M, K), w (E, K, 2F), group_sizes) -> (h (M, 2F), act = SwiGLU(h) (M, F)), or None;
+        rows past the groups unwritten.
+`ops.expert_block` and `ops.expert_ffn` take a set (or its name in GEMM_SETS); adding a GEMM is adding one set.
+
+- `turbo`: `grouped_gemm` (our FFI kernels; CPU and CUDA), with `grouped_gemm_swiglu` fused.
+- `ragged_dot`: `jax.lax.ragged_dot` (XLA; dense expansion on the GPU).
+- `pallas`: jax's Pallas Mosaic-GPU `ragged_dot_mgpu` (`pallas_gemm`; Hopper only).
+- `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None (dense_cf).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
+from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
+from turbo_moe.ops import pallas_gemm
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSet:
+    """One grouped GEMM with its gradients (signatures in the module docstring)."""
+
+    name: str
+    forward: Callable
+    data_grad: Callable
+    weight_grad: Callable
+    gate_up_swiglu: Callable | None = None
+    # Why the default devices cannot run the set, or None: checked at trace time (`unavailable`).
+    device_problem: Callable[[], "str | None"] = lambda: None
+
+    def without_fused_swiglu(self) -> "GemmSet":
+        """The same GEMMs with SwiGLU left to XLA (`ModelConfig`'s CPU default: its fusion is faster there)."""
+        return dataclasses.replace(self, gate_up_swiglu=None)
+
+
+def gradients_by_autodiff(forward: Callable) -> tuple[Callable, Callable]:
+    """(data_grad, weight_grad) of a differentiable forward, through its VJP (for the XLA GEMMs)."""
+
+    def data_grad(d_out, w, group_sizes, zero_tail=True):
+        rows = jax.ShapeDtypeStruct(d_out.shape[:-1] + (w.shape[-2],), d_out.dtype)
+        _, vjp = jax.vjp(lambda r: forward(r, w, group_sizes, zero_tail), jnp.zeros(rows.shape, rows.dtype))
+        return vjp(d_out)[0]
+
+    def weight_grad(lhs, d_out, group_sizes):
+        n_groups = lhs.shape[0] if group_sizes is None else jnp.shape(group_sizes)[0]  # None: slots (E, ..., K)
+        shape = (n_groups, lhs.shape[-1], d_out.shape[-1])
+        _, vjp = jax.vjp(lambda w: forward(lhs, w, group_sizes), jnp.zeros(shape, lhs.dtype))
+        return vjp(d_out)[0]
+
+    return data_grad, weight_grad
+
+
+def _turbo_forward(rows, w, group_sizes, zero_tail=True):
+    return grouped_gemm(rows, w, group_sizes, zero_tail=zero_tail)  # (M, K) x (E, K, N) -> (M, N)
+
+
+def _turbo_data_grad(d_out, w, group_sizes, zero_tail=True):
+    return grouped_gemm(d_out, w, group_sizes, transpose_rhs=True, zero_tail=zero_tail)  # (M, N) x (E, K, N)^T
+
+
+def _turbo_gate_up_swiglu(rows, w, group_sizes):
+    return grouped_gemm_swiglu(rows, w, group_sizes, zero_tail=False)  # (M, K) x (E, K, 2F) -> (M, 2F), (M, F)
+
+
+def _ragged_dot_forward(rows, w, group_sizes, zero_tail=True):
+    del zero_tail  # XLA writes every row
+    return jax.lax.ragged_dot(rows, w, group_sizes)  # (M, K) x (E, K, N) -> (M, N)
+
+
+def _pallas_forward(rows, w, group_sizes, zero_tail=True):
+    del zero_tail  # rows past the groups are masked to zero
+    return pallas_gemm.pallas_grouped_gemm(rows, w, group_sizes)  # (M, K) x (E, K, N) -> (M, N)
+
+
+def _pallas_problem() -> str | None:
+    problem = pallas_gemm.hopper_problem()  # looked up at call time (tests stand in for the device)
+    return problem and ("its GEMM is jax's Pallas Mosaic-GPU ragged_dot_mgpu, which needs a Hopper GPU "
+                        f"(sm_90, e.g. H100/H200); {problem}")
+
+
+def _einsum_forward(slots, w, group_sizes, zero_tail=True):
+    del group_sizes, zero_tail  # every slot of expert e is multiplied by w[e]; empty slots are zero rows
+    return jnp.einsum("ebck,ekn->ebcn", slots, w)  # (E, B, C, K) x (E, K, N) -> (E, B, C, N)
+
+
+def _set(name, forward, **kw) -> GemmSet:
+    data_grad, weight_grad = gradients_by_autodiff(forward)
+    return GemmSet(name, forward, kw.pop("data_grad", data_grad), kw.pop("weight_grad", weight_grad), **kw)
+
+
+GEMM_SETS: dict[str, GemmSet] = {s.name: s for s in (
+    _set("turbo", _turbo_forward, data_grad=_turbo_data_grad, weight_grad=grouped_gemm_weight_grad,
+         gate_up_swiglu=_turbo_gate_up_swiglu),
+    _set("ragged_dot", _ragged_dot_forward),
+    _set("pallas", _pallas_forward, device_problem=_pallas_problem),
+    _set("einsum", _einsum_forward),
+)}
+
+
+def gemm_set(gemms: "GemmSet | str", argument: str = "gemms") -> GemmSet:
+    """A GemmSet, or the set of that name in GEMM_SETS (ValueError naming `argument` otherwise)."""
+    if isinstance(gemms, GemmSet):
+        return gemms
+    if isinstance(gemms, str) and gemms in GEMM_SETS:
+        return GEMM_SETS[gemms]
+    raise ValueError(f"{argument} must be a GemmSet or one of {tuple(GEMM_SETS)}, got {gemms!r}")
