@@ -1,51 +1,15 @@
 """pd_english: assembly (parts, mixed order), verification, clear errors, prepared caches; C4 directories."""
 
 import gzip
-import hashlib
-import io
 import json
 import shutil
-import tarfile
 
 import numpy as np
 import pytest
+from fake_packages import PARAGRAPH
 
 from turbo_moe.data import corpus, dataset, load_dataset, pd_english, read_documents
 from turbo_moe.data.pd_english import NpmSource, assemble, split_at_paragraphs
-
-PARAGRAPH = "It was the best of times, it was the worst of times; the age of wisdom and of foolishness.\n\n"
-
-
-def make_npm_tarball(path, member_dir, files):
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, text in files.items():
-            data = text.encode("latin-1") if name.endswith("latin.txt") else text.encode("utf-8")
-            info = tarfile.TarInfo(member_dir + name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    path.write_bytes(buf.getvalue())
-    return hashlib.sha256(buf.getvalue()).hexdigest()
-
-
-@pytest.fixture
-def fake_sources(tmp_path, monkeypatch):
-    """Two fake npm packages already in the downloads folder (no npm call) and fake Shakespeare plays."""
-    downloads = tmp_path / "data" / "pd_english" / "downloads"
-    downloads.mkdir(parents=True)
-    books = {"austen-emma.txt": PARAGRAPH * 3000, "carroll-latin.txt": "caf\u00e9 " + PARAGRAPH * 50,
-             "shakespeare-hamlet.txt": "to be\n\n" * 10}
-    speeches = {f"{1790 + i}_speaker.txt": PARAGRAPH * (20 + i) for i in range(6)}
-    a = NpmSource("fake-books", "1.0.0", "", "package/books/", exclude_prefixes=("shakespeare-",), expected_files=2)
-    b = NpmSource("@scope/fake-speeches", "0.1.0", "", "package/data/", expected_files=6)
-    a = NpmSource(**{**a.__dict__, "sha256": make_npm_tarball(downloads / a.tarball_name, a.member_dir, books)})
-    b = NpmSource(**{**b.__dict__, "sha256": make_npm_tarball(downloads / b.tarball_name, b.member_dir, speeches)})
-    monkeypatch.setattr(pd_english, "SOURCES", (a, b))
-    plays = tmp_path / "plays"
-    plays.mkdir()
-    (plays / "hamlet_gut.txt").write_text(PARAGRAPH * 200)
-    monkeypatch.setattr(corpus, "fetch_shakespeare", lambda root=None: plays)
-    return tmp_path / "data"
 
 
 def test_split_at_paragraphs_gives_text_back():

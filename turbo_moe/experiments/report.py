@@ -22,7 +22,7 @@ import pandas as pd
 import seaborn as sns
 
 from turbo_moe import provenance
-from turbo_moe.experiments import figures, results, store
+from turbo_moe.experiments import convergence, figures, results, store
 
 MIN_CURVE_STEPS = 20  # shorter runs (throughput probes) are noise on a loss plot
 # Routing phases of a run, as fractions of its logged steps: the router as at init (before the warm-up
@@ -39,6 +39,7 @@ class ReportData:
     histories: pd.DataFrame  # long format: sweep, point, label, moe_path, step, loss, eval_loss, ...
     loads: dict[str, dict[str, np.ndarray]]  # sweep -> {label: (L_moe, E) final expert load}
     kernels: pd.DataFrame  # kernel benchmark tables, concatenated
+    drop_penalty: list = dataclasses.field(default_factory=list)  # convergence.records_from_store
 
 
 @dataclasses.dataclass
@@ -168,7 +169,8 @@ def load_report_data(store_dir: str | Path = store.DEFAULT_STORE, campaigns: lis
     phases = routing_phases(histories)
     if not phases.empty:
         frame = frame.merge(phases, on=["sweep", "point"], how="left")
-    return ReportData(results=frame, histories=histories, loads=loads, kernels=kernels)
+    return ReportData(results=frame, histories=histories, loads=loads, kernels=kernels,
+                      drop_penalty=convergence.records_from_store(store_dir, campaigns))
 
 
 def _schema_columns(table: pd.DataFrame) -> pd.DataFrame:
@@ -204,6 +206,7 @@ def figure_builders(data: ReportData) -> dict[str, object]:
         "dropped_fraction": lambda: figures.dropped_fraction(data.histories, data.results),
         "expert_load_over_steps": lambda: figures.load_over_steps(data.histories, data.results, ROUTING_PHASES),
         "synthetic_vs_real": lambda: figures.synthetic_vs_real(data.results),
+        "drop_penalty": lambda: convergence.plot_drop_penalty(data.drop_penalty, None) if data.drop_penalty else None,
     }
     for sweep, loads in data.loads.items():
         rows = data.results[data.results["sweep"] == sweep]
@@ -230,6 +233,7 @@ _WHY_MISSING = {
     "synthetic_vs_real": "no sweep varies dataset (e.g. experiments/sweeps/gpu_synthetic_vs_real.yaml)",
     "expert_load": "no record with expert_load in a path-comparison sweep",
     "kernel_tflops": "no experiments/results/kernels_<device>.csv table with shape, impl, tflops",
+    "drop_penalty": "no drop_penalty* campaign (benchmarks/convergence_gpu.py --analyze-only into experiments/results)",
 }
 
 
