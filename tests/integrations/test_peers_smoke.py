@@ -1,0 +1,57 @@
+"""benchmarks/peers.py's CPU check (--smoke): every contender becomes a row, turbo's rows are correct against the
+float32 reference, a contender that cannot run here is a row with its reason, and the files are written."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def peers():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["peers"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_rows_for_every_contender(peers, tmp_path):
+    out = tmp_path / "peers"
+    peers.main(["--smoke", "--shapes", "smoke_odd_G3", "--routings", "balanced,skewed", "--modes", "fwd,fwd_bwd",
+                "--warmup", "0", "--reps", "1", "--tune-shapes", "", "--out", str(out)])
+    rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
+    saved = json.loads(out.with_suffix(".json").read_text())
+    key = ("shape", "routing", "mode", "contender", "status")
+    assert [tuple(r[k] for k in key) for r in rows] == [tuple(r[k] for k in key) for r in saved["rows"]]
+    assert saved["provenance"]["git_commit"] and saved["provenance"]["device_kind"]
+    contenders = {r["contender"] for r in rows}
+    assert set(peers.MOE_CONTENDERS) | {"dense"} <= contenders
+    turbo = [r for r in rows if r["contender"] == "turbo"]
+    assert len(turbo) == 4 and all(r["status"] == "ok" for r in turbo)
+    assert all(0 <= float(r["rel_err"]) <= 2e-2 for r in turbo)  # bf16 output rounding, not zero, not large
+    for r in rows:
+        if r["status"] == "unavailable":
+            assert r["error"], r  # says why
+
+
+def test_relative_error_catches_a_wrong_gradient(peers):
+    """The check the rows carry is not vacuous: a weight gradient off by 10% of one group is flagged."""
+    import jax.numpy as jnp
+
+    sizes = np.array([3, 0, 5], np.int32)
+    rng = np.random.default_rng(0)
+    x, w, dy = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((8, 4), (3, 4, 5), (8, 5)))
+    y = jnp.concatenate([x[:3] @ w[0], x[3:] @ w[2]])
+    dx = jnp.concatenate([dy[:3] @ w[0].T, dy[3:] @ w[2].T])
+    dw = jnp.stack([x[:3].T @ dy[:3], jnp.zeros((4, 5)), x[3:].T @ dy[3:]])
+    assert peers.relative_error((y, dx, dw), x, w, dy, sizes) < 1e-5
+    assert peers.relative_error((y, dx, dw.at[2].multiply(1.1)), x, w, dy, sizes) > 1e-2
