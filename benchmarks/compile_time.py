@@ -1,4 +1,4 @@
-"""Cold compile time of parameter init + train step, scanned vs unrolled layers, by depth.
+"""Cold compile time of parameter init + train step (the layers run as one scan), by depth.
 
     python benchmarks/compile_time.py                      # all cases, prints a table, saves CSV + figure
     python benchmarks/compile_time.py --cases reduced,full_4 --out /tmp/ct
@@ -8,8 +8,8 @@ reused: "init" is `jit(create).lower(key).compile()` and "train" is the train st
 inputs (`.lower(abstract state, abstract batch).compile()`; with --overlap both compile at once, as
 `turbo_moe.train.run` does, and total_s is the wall clock): nothing is allocated, so full-width
 slices compile on any machine. Cases: `reduced` (16 layers) and full-width DeepSeek-V3 slices with
-4 / 16 / 61 layers (exact widths, 16 routed experts so the graph stays the same size), each scanned
-and (where it finishes in reasonable time) unrolled. Results carry provenance.
+4 / 16 / 61 layers (exact widths, 16 routed experts so the graph stays the same size). Results carry
+provenance. (The unrolled stack these were once compared with is gone: docs/configuration.md.)
 """
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ CASES = {
     "full_16": ("deepseek_v3_671b", dict(n_layers=16, **FULL_WIDTH), 1, 4096),
     "full_61": ("deepseek_v3_671b", dict(n_layers=61, **FULL_WIDTH), 1, 4096),
 }
-DEFAULT_RUNS = ["reduced:scan", "reduced:unrolled", "full_4:scan", "full_16:scan", "full_61:scan",
-                "full_4:unrolled", "full_16:unrolled"]
+DEFAULT_RUNS = ["reduced:scan", "full_4:scan", "full_16:scan", "full_61:scan"]
 
 
 def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bool, overrides: dict,
@@ -52,7 +51,7 @@ def compile_case(case: str, mode: str, moe_path: str, init_impl: str, warmup: bo
     from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
 
     preset, preset_overrides, batch, seq = CASES[case]
-    cfg = get_config(preset, **{**preset_overrides, **overrides}, moe_path=moe_path, scan_layers=(mode == "scan"))
+    cfg = get_config(preset, **{**preset_overrides, **overrides}, moe_path=moe_path)
     tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq))
     mesh = make_mesh(jax.devices()[:1])
     t0 = time.perf_counter()
@@ -130,14 +129,14 @@ def run_child(case: str, mode: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="case:mode list (mode scan|unrolled)")
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="case:mode list (mode: scan)")
     ap.add_argument("--moe-path", default="turbo")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per case; a timeout is a result row")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     ap.add_argument("--init-impl", default="threefry2x32", help="PRNG of the init key (threefry2x32|rbg)")
     ap.add_argument("--warmup", action="store_true", help="compile a trivial program first, timed apart")
     ap.add_argument("--overrides", default="{}", help="ModelConfig overrides as JSON, e.g. '{\"mtp_depth\": 0}'")
-    ap.add_argument("--autotune-level", default="xla", help="TrainConfig.xla_gpu_autotune_level (0-4, or xla)")
+    ap.add_argument("--autotune-level", default="xla", help="build_program's gpu_autotune_level (0-4, or xla)")
     ap.add_argument("--overlap", action="store_true",
                     help="compile the train step in a thread while init compiles (total_s = wall clock)")
     ap.add_argument("--tag", default="", help="suffix of the CSV name (variants of one device)")
@@ -168,8 +167,8 @@ def main() -> None:
     rows = []
     for run in args.runs.split(","):
         case, mode = run.split(":")
-        if case not in CASES or mode not in ("scan", "unrolled"):
-            raise SystemExit(f"--runs: {run!r} is not case:mode with case in {sorted(CASES)}, mode scan|unrolled")
+        if case not in CASES or mode != "scan":
+            raise SystemExit(f"--runs: {run!r} is not case:mode with case in {sorted(CASES)}, mode scan")
         row = {**run_child(case, mode, args), **prov}
         rows.append(row)
         print(json.dumps(row), flush=True)

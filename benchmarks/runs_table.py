@@ -68,7 +68,7 @@ def _resolved(config: dict):
     """The run's TrainConfig and ModelConfig with every default filled in."""
     from turbo_moe.train import TrainConfig
 
-    tc = TrainConfig.from_dict({"progress": False, **config})
+    tc = TrainConfig.from_record({"progress": False, **config})
     return tc, tc.model_config()
 
 

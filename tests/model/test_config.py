@@ -90,7 +90,8 @@ def test_defaults_are_the_decided_ones():
 # A value each removed field had as an alternative to the one kept.
 OTHER_VALUES = {"cast_params_before_scan": False, "router_topk_impl": "cuda", "embedding_grad": "matmul",
                 "expert_backward": "autodiff", "swiglu_impl": "cutlass", "router_center_ema": 0.3,
-                "router_bias_rate_start": 1e-2, "router_bias_rate_decay_steps": 100}
+                "router_bias_rate_start": 1e-2, "router_bias_rate_decay_steps": 100, "embedding_init_std": 0.006,
+                "router_init_std": 256 ** -0.5, "scan_layers": False, "rms_norm_eps": 1e-5}
 
 
 def test_every_removed_field_is_covered():
@@ -122,6 +123,15 @@ def test_removed_fields_old_spellings():
         get_config("tiny", cast_params_before_scan=1)
     with pytest.raises(TypeError):  # the constructor has no such field
         ModelConfig(expert_backward="block")
+    # MaxText's key for the norm epsilon, and YAML's reading of 1e-6 (a str: no dot), at DeepSeek-V3's value
+    assert ModelConfig.from_yaml("preset: tiny\nnormalization_layer_epsilon: 1e-6\n") == base
+    with pytest.raises(ValueError, match="'rms_norm_eps' was removed.*got 1e-05"):
+        get_config("tiny", normalization_layer_epsilon=1e-5)
+
+
+def test_the_init_and_norm_constants_the_removed_fields_fixed():
+    cfg = get_config("tiny", d_model=256, init_std=0.006)
+    assert (cfg.embedding_std, cfg.router_std, cfg.rms_norm_eps) == (256 ** -0.5, 0.006, 1e-6)
 
 
 def test_from_record_reads_an_older_runs_config_with_removed_fields():

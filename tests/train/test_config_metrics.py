@@ -78,6 +78,18 @@ def test_removed_field_accepted_at_its_kept_value_only(name):
         TrainConfig(**{name: kept})
 
 
+def test_from_record_reads_an_older_runs_config_with_removed_fields():
+    """A record written before fields were removed loads for reading history, whatever values it held."""
+    old = {"model": "tiny", "steps": 5, "warmup_steps": 1, "xla_gpu_autotune_level": 0,
+           "model_overrides": {"scan_layers": False, "router_init_std": 0.0625, "moe_path": "dense_cf"}}
+    assert TrainConfig.from_record(old) == TrainConfig(model="tiny", steps=5, warmup_steps=1,
+                                                       model_overrides={"moe_path": "dense_cf"})
+    nested = {"model": {**get_config("tiny").to_dict(), "embedding_init_std": 1.0}, "steps": 5, "warmup_steps": 1}
+    assert TrainConfig.from_record(nested).model_config() == get_config("tiny")
+    with pytest.raises(ValueError, match="xla_gpu_autotune_level"):
+        TrainConfig.from_dict(old)
+
+
 def test_removed_model_fields_in_a_train_config():
     """A run spec's model part takes the same rule (ModelConfig.from_dict), as overrides or as a whole model dict."""
     model = {**get_config("tiny").to_dict(), "cast_params_before_scan": True, "expert_backward": "block"}

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from turbo_moe.train.init_program import CPU_RNG, InitProgram, cpu_key
+from turbo_moe.train.init_program import CPU_RNG, InitProgram, compile_on_cpu, cpu_key
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -85,3 +85,26 @@ def test_cpu_auto_falls_back_to_threefry_where_philox_does_not_lower():
     assert program.last_choice["rng"] == "threefry2x32" and "does not lower" in program.last_choice["why"]
     compiled = InitProgram(jitted)  # the same choice through .compile()
     _assert_same(compiled.compile(key)(compiled.program_key(key)), jitted(key))
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU compiler options")
+def test_cpu_program_compiles_with_its_options_to_the_same_bits():
+    """The CPU init is compiled with CPU_COMPILER_OPTIONS: the values of the plain jitted init, bit for bit, for
+    every draw a model init makes (normal, truncated normal, uniform; stacked under vmap as scanned layers are)."""
+    def init(key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        return {"w": jax.random.normal(k1, (16, 24)) * 0.02,
+                "t": jax.random.truncated_normal(k2, -2.0, 2.0, (8, 8)),
+                "experts": jax.vmap(lambda k: jax.random.normal(k, (4, 12)))(jax.random.split(k3, 5))}
+
+    program, key = InitProgram(jax.jit(init)), jax.random.key(11)
+    _assert_same(program(key), jax.jit(init)(program.program_key(key)))
+    assert program.compile(key) is program.compile(key)  # compiled once
+
+
+def test_compile_on_cpu_leaves_out_options_this_xla_does_not_know():
+    lowered = jax.jit(_init).lower(jax.random.key(0))
+    compiled = compile_on_cpu(lowered, {"xla_no_such_option_for_this_test": True})
+    _assert_same(compiled(jax.random.key(0)), jax.jit(_init)(jax.random.key(0)))
+    with pytest.raises(TypeError):  # other errors still surface
+        compile_on_cpu(lowered)(jax.random.key(0), "an argument too many")

@@ -10,6 +10,8 @@ from typing import Any, Mapping
 import jax
 
 from turbo_moe.model import ModelConfig, get_config
+from turbo_moe.model.config import MAXTEXT_ALIASES
+from turbo_moe.model.config import REMOVED_FIELDS as MODEL_REMOVED_FIELDS
 
 _POSITIVE_INTS = ("per_device_batch", "steps", "log_every", "keep_checkpoints", "expert_parallel")
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "skip_steps_for_tgs", "seed")
@@ -22,6 +24,8 @@ MASTER_WEIGHTS = ("auto", "float32", "split")  # turbo_moe/train/split_master.py
 REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
     "scan_outputs_uninitialized": (True, "scan outputs are left uninitialised on GPUs wherever this JAX allows it"),
     "cast_params_in_update": (False, "master_weights='split' keeps the bf16 compute copy instead"),
+    "xla_gpu_autotune_level": (None, "runs compile with XLA's GEMM autotuning (level 0 ran the step several times "
+                                     "slower); benchmarks that only compile pass a level to build_program"),
 }
 # bfloat16 keeps 8 significant bits: for adam_b2 above 1 - 2**-8 the decay b2 * nu can round back to nu.
 BF16_NU_MAX_B2 = 1 - 2**-8
@@ -47,10 +51,6 @@ class TrainConfig:
     # ZeRO-3 / FSDP: shard every training state over the devices (turbo_moe.model.sharding); False
     # replicates the non-expert states over all devices and the expert states over "data".
     fsdp: bool = True
-    # XLA's GPU GEMM autotuning at compile time (0-4; None: XLA's default, 4). 0 compiles faster but,
-    # without a warm autotune cache, its default Triton tiles run the step several times slower
-    # (docs/performance.md): keep None unless compile time is all that matters.
-    xla_gpu_autotune_level: int | None = None
     # How the stacked layers' float32 master weights are kept (turbo_moe.train.split_master): "float32", or "split":
     # as their bf16 compute copy (what the forward reads; rounded half up, not to nearest-even, at exact ties) + the
     # 16 low bits, exact together: the update reads and writes 4 bytes a weight and the forward reads the bf16 copy.
@@ -139,6 +139,22 @@ class TrainConfig:
         return out
 
     @classmethod
+    def from_record(cls, values: Mapping[str, Any]) -> "TrainConfig":
+        """An older run's recorded config, for reading history: fields since removed (this class's and the model's,
+        in `model` and `model_overrides`) are dropped whatever their value, since that run already ran with them.
+        Configs to run go through `from_dict`."""
+
+        def model_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in fields.items() if MAXTEXT_ALIASES.get(k, k) not in MODEL_REMOVED_FIELDS}
+
+        kept = {k: v for k, v in values.items() if k not in REMOVED_FIELDS}
+        if isinstance(kept.get("model_overrides"), Mapping):
+            kept["model_overrides"] = model_fields(kept["model_overrides"])
+        if isinstance(kept.get("model"), Mapping):
+            kept["model"] = model_fields(kept["model"])
+        return cls.from_dict(kept)
+
+    @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "TrainConfig":
         """Inverse of `to_dict`; `model` may be a preset name or a ModelConfig dict. Unknown keys raise."""
         if not isinstance(values, Mapping):
@@ -184,9 +200,6 @@ def _validate(c: TrainConfig) -> None:
     _require(c.seed < 2**63, "seed", f"must be below 2**63 (jax.random.key takes a 64-bit int), got {c.seed!r}")
     _require(isinstance(c.master_weights, str) and c.master_weights in MASTER_WEIGHTS, "master_weights",
              f"got {c.master_weights!r}; expected one of {MASTER_WEIGHTS}")
-    _require(c.xla_gpu_autotune_level is None or (_is_int(c.xla_gpu_autotune_level)
-             and 0 <= c.xla_gpu_autotune_level <= 4), "xla_gpu_autotune_level",
-             f"must be None or an int in 0..4, got {c.xla_gpu_autotune_level!r}")
     _require(c.seq_len is None or (_is_int(c.seq_len) and c.seq_len > 0), "seq_len",
              f"must be a positive int or None, got {c.seq_len!r}")
     _require(c.lr_schedule_steps is None or (_is_int(c.lr_schedule_steps) and c.lr_schedule_steps >= c.steps),

@@ -12,8 +12,11 @@ them.
   device's memory (else it compiles the default lowering).
 - CPU: the threefry lowering is a rolled loop per call site, several fusions each, and the kernel lowering
   does not exist. `mode="auto"` draws from Philox-2x32 instead (`jax.random.key(seed, impl="philox2x32")`,
-  10 rounds, unrolled into one fusion per call site): the init compiles about 3x faster. Other values than
-  the threefry init of the same seed, equally random, and the same on every CPU.
+  10 rounds, unrolled into one fusion per call site): the init compiles several times faster. Other values
+  than the threefry init of the same seed, equally random, and the same on every CPU. The program is
+  compiled with `CPU_COMPILER_OPTIONS` (XLA's elemental emitters instead of its MLIR fusion emitters: a
+  cheaper compile of the same bits, and the program runs once), or without them where this XLA lacks one.
+  docs/notes/newcomer.md has the measurements.
 
 `mode`: "auto" (the above), "on" (threefry with the GPU kernel lowering; an error where it fails), "off"
 (threefry with the default lowering on every device: the values of the jitted init called with the
@@ -36,6 +39,9 @@ except ImportError:  # pragma: no cover — a jax without the option: always the
 MODES = ("auto", "on", "off")
 FIT_FRACTION = 0.9  # of the device's bytes_limit the init program may use with the kernel lowering
 CPU_RNG = "philox2x32"  # the generator "auto" draws from on the CPU
+# XLA:CPU options for the init program only: bit-identical output (tests/train/test_init_program.py checks it),
+# a cheaper compile. Not the backend optimisation level: that one changes float roundings of the normal draws.
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
 def _threefry_kernel(enabled: bool):
@@ -83,15 +89,31 @@ def cpu_key(key):
     return jax.random.fold_in(out, hi) if hi else out
 
 
+def _unlowerable(error: Exception) -> bool:
+    """XLA:CPU's refusal to lower Philox on a sharded output (see InitProgram._cpu_compile)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and ("MHLO" in str(error) or "legalize" in str(error))
+
+
 def _lowers(lowered) -> bool:
-    """Whether a lowered CPU program compiles (Philox on a sharded output does not: see InitProgram._cpu_init)."""
+    """Whether a lowered CPU program compiles (Philox on a sharded output does not: see InitProgram._cpu_compile)."""
     try:
         lowered.compile()
     except jax.errors.JaxRuntimeError as error:
-        if "MHLO" not in str(error) and "legalize" not in str(error):
+        if not _unlowerable(error):
             raise
         return False
     return True
+
+
+def compile_on_cpu(lowered, options: dict[str, Any] | None = None):
+    """`lowered.compile` with `options` (default CPU_COMPILER_OPTIONS), or without those this XLA does not know."""
+    options = CPU_COMPILER_OPTIONS if options is None else options
+    try:
+        return lowered.compile(compiler_options=dict(options) or None)
+    except jax.errors.JaxRuntimeError as error:
+        if "compile option" not in str(error):
+            raise
+        return lowered.compile()
 
 
 class InitProgram:
@@ -108,10 +130,12 @@ class InitProgram:
         self.jitted = jitted
         self.mode = mode
         self.last_choice: dict[str, Any] = {}
-        # Philox does not lower on outputs sharded over several CPU devices (see _cpu_init): a program over a
+        # Philox does not lower on outputs sharded over several CPU devices (see _cpu_compile): a program over a
         # mesh of `devices` > 1 keeps threefry from the start (no failed compile, no XLA error printed).
         self._philox_unlowerable = devices > 1
         self._compiled: dict[Any, Any] = {}  # key dtype (threefry / philox / rbg) -> compiled program
+        self._choices: dict[Any, dict[str, Any]] = {}  # key dtype -> its last_choice
+        self._threefry_why = "not a GPU"  # why a CPU program under "auto" draws from threefry
 
     @property
     def _gpu(self) -> bool:
@@ -120,26 +144,6 @@ class InitProgram:
     def _cheap_rng(self, key) -> bool:
         return (self.mode == "auto" and jax.default_backend() == "cpu" and not self._philox_unlowerable
                 and not isinstance(key, jax.core.Tracer) and _is_threefry(key) and _has_impl(CPU_RNG))
-
-    def _cpu_init(self, key):
-        """The jitted init on the CPU, from Philox where it lowers. XLA:CPU cannot lower Philox's mulhi on an
-        output sharded over several devices (jax 0.10.2: "failed to legalize mhlo.unknown"): such a program
-        draws from threefry instead, and says so in `last_choice`."""
-        program_key = self.program_key(key)
-        why = "not a GPU"
-        if program_key is not key:
-            try:
-                out = self.jitted(program_key)
-            except jax.errors.JaxRuntimeError as error:
-                if "MHLO" not in str(error) and "legalize" not in str(error):
-                    raise
-                self._philox_unlowerable = True
-                program_key, why = key, f"not a GPU; {CPU_RNG} does not lower on this sharding"
-            else:
-                self.last_choice = {"rng": CPU_RNG, "lowering": "default", "why": why}
-                return out
-        self.last_choice = {"rng": str(jax.random.key_impl(program_key)), "lowering": "default", "why": why}
-        return self.jitted(program_key)
 
     def program_key(self, key):
         """The key the init program draws from (see the class docstring)."""
@@ -150,25 +154,31 @@ class InitProgram:
         program_key = self.program_key(key)
         with _threefry_kernel(use):
             lowered = self.jitted.lower(program_key)
-        if program_key is not key and not _lowers(lowered):  # see _cpu_init
+        if program_key is not key and not _lowers(lowered):  # see _cpu_compile
             self._philox_unlowerable = True
             with _threefry_kernel(use):
                 lowered = self.jitted.lower(key)
         return lowered
 
     def compile(self, key):
-        """Compile once per key kind (cached): with the kernel lowering where it fits, else the default."""
-        if self._cheap_rng(key) and self.program_key(key).dtype not in self._compiled:
-            self.lower(key)  # finds out whether Philox lowers here (program_key then says which key to use)
+        """Compile once per key kind (cached): on the GPU with the kernel lowering where it fits, else the default;
+        on the CPU with CPU_COMPILER_OPTIONS."""
         program_key = self.program_key(key)
         if program_key.dtype not in self._compiled:
-            self._compiled[program_key.dtype] = self._compile(program_key)
+            compiled = self._compile(program_key)
+            if compiled is None:  # Philox does not lower here: program_key(key) is now the threefry key
+                return self.compile(key)
+            self._compiled[program_key.dtype] = compiled
+            self._choices[program_key.dtype] = self.last_choice
+        self.last_choice = self._choices[program_key.dtype]
         return self._compiled[program_key.dtype]
 
     def _compile(self, key):
         rng = str(jax.random.key_impl(key))
-        if not self._gpu or self.mode == "off":
-            return self._default(key, "mode off" if self._gpu else "not a GPU")
+        if not self._gpu:
+            return self._cpu_compile(key)
+        if self.mode == "off":
+            return self._default(key, "mode off")
         start = time.perf_counter()
         try:
             with _threefry_kernel(True):
@@ -184,6 +194,23 @@ class InitProgram:
                             "kernel_compile_s": round(time.perf_counter() - start, 2)}
         return compiled
 
+    def _cpu_compile(self, key):
+        """The init on the CPU (or a GPU-less jaxlib), with CPU_COMPILER_OPTIONS where the backend is the CPU.
+        XLA:CPU cannot lower Philox's mulhi on an output sharded over several devices (jax 0.10.2: "failed to
+        legalize mhlo.unknown"): None then, and program_key draws from threefry from now on (last_choice says why)."""
+        lowered = self.jitted.lower(key)
+        try:
+            compiled = compile_on_cpu(lowered) if jax.default_backend() == "cpu" else lowered.compile()
+        except jax.errors.JaxRuntimeError as error:
+            if str(jax.random.key_impl(key)) != CPU_RNG or not _unlowerable(error):
+                raise
+            self._philox_unlowerable = True
+            self._threefry_why = f"not a GPU; {CPU_RNG} does not lower on this sharding"
+            return None
+        why = self._threefry_why if _is_threefry(key) and self.mode == "auto" else "not a GPU"
+        self.last_choice = {"rng": str(jax.random.key_impl(key)), "lowering": "default", "why": why}
+        return compiled
+
     def _default(self, key, why: str):
         self.last_choice = {"rng": str(jax.random.key_impl(key)), "lowering": "default", "why": why}
         return self.jitted.lower(key).compile()
@@ -191,6 +218,4 @@ class InitProgram:
     def __call__(self, key):
         if isinstance(key, jax.core.Tracer):  # traced (eval_shape, an outer jit): the plain jitted init
             return self.jitted(key)
-        if not self._gpu:  # the CPU: the jitted init's own cache (no lowering choice to make)
-            return self._cpu_init(key)
-        return self.compile(key)(key)
+        return self.compile(key)(self.program_key(key))

@@ -21,6 +21,7 @@ from turbo_moe.data import BatchIterator, Dataset, eval_batches, load_dataset, u
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
 from turbo_moe.train import metrics as M
 from turbo_moe.train.checkpoint import Checkpointer
+from turbo_moe.train.compilation_cache import ensure_on as compilation_cache_on
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.distributed import batch_share
 from turbo_moe.train.progress import RunProgress, summary_line
@@ -50,6 +51,9 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
         raise
     result = RunResult(provenance=M.provenance(tc.to_dict(), model_cfg.to_dict(), dataset.info))
     result.provenance["device_choices"] = device_choices(model_cfg)
+    # CPU: compiled programs are kept on disk, so the next run of the same shapes skips XLA's compiler (the
+    # summary says whether compile_time_s may be a cache load).
+    result.summary["compilation_cache"] = compilation_cache_on() is not None
     trainer = _Trainer(tc, model_cfg, dataset, result, progress)
     try:
         trainer.train()

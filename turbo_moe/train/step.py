@@ -344,8 +344,7 @@ def program_for(tc: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Program:
     """`build_program` with every program switch of `tc` (resolved for the mesh's devices): the one place a new
     switch is passed on."""
     tc = tc.resolved(mesh.devices.flat[0].platform)
-    return build_program(model_cfg, make_optimizer(tc), mesh, tc.fsdp, tc.xla_gpu_autotune_level,
-                         None, False, tc.master_weights == "split")
+    return build_program(model_cfg, make_optimizer(tc), mesh, tc.fsdp, None, None, False, tc.master_weights == "split")
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> dict:

@@ -1,6 +1,10 @@
-"""TrainConfig.adam_nu_dtype: AdamW's second moment stored in bfloat16 (DeepSeek-V3's low-precision optimizer
-states) by a wrapper around optax's own adamw: validated, the same updates as float32 nu up to the rounding of
-the stored moment, decaying with b2 = 0.95 (trained and checkpointed with its dtype: test_adam_mu_dtype.py)."""
+"""AdamW with low-precision moments (DeepSeek-V3's low-precision optimizer states).
+
+- TrainConfig.adam_mu_dtype: the first moment stored in bfloat16, validated, trained with and saved/restored by the
+  orbax checkpointer with its dtype (with a bf16 nu too).
+- TrainConfig.adam_nu_dtype: the second moment stored in bfloat16 by a wrapper around optax's own adamw: validated,
+  the same updates as float32 nu up to the rounding of the stored moment, decaying with b2 = 0.95; nearest or
+  stochastic rounding."""
 from __future__ import annotations
 
 import jax
@@ -9,10 +13,11 @@ import numpy as np
 import optax
 import pytest
 
+from turbo_moe.model import get_config
 from turbo_moe.train import TrainConfig
-from turbo_moe.train.checkpoint import check_resume_config
+from turbo_moe.train.checkpoint import Checkpointer, check_resume_config
 from turbo_moe.train.low_precision_adam import with_adam_nu_dtype
-from turbo_moe.train.step import make_optimizer
+from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
 
 BF16 = jnp.dtype(jnp.bfloat16)
 
@@ -61,7 +66,7 @@ NEAREST_BF16_NU = dict(adam_nu_dtype="bfloat16", adam_nu_rounding="nearest")
 
 
 @pytest.mark.parametrize("value", ["float16", "bf16", 16, jnp.bfloat16])
-def test_bad_value_names_the_field(value):
+def test_nu_bad_value_names_the_field(value):
     with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_dtype: got .*expected one of"):
         TrainConfig(adam_nu_dtype=value)
 
@@ -86,7 +91,7 @@ def test_b2_limit_applies_only_to_nearest_rounded_bf16_nu():
     assert TrainConfig(**NEAREST_BF16_NU).adam_b2 == 0.95  # the default b2 (DeepSeek-V3's) is fine
 
 
-def test_round_trip_cache_and_resume_check():
+def test_nu_round_trip_cache_and_resume_check():
     tc = TrainConfig(adam_nu_dtype="bfloat16")
     assert TrainConfig.from_dict(tc.to_dict()) == tc
     assert TrainConfig().adam_nu_dtype == "auto" and TrainConfig().resolved("cpu").adam_nu_dtype is None
@@ -259,3 +264,65 @@ def test_stochastic_rounding_validation_and_b2():
         _, state = tx.update({"w": jnp.zeros((4, 8))}, state, params)
     after = float(np.asarray(_adam_state(state).nu["w"], np.float32).mean())
     assert after == pytest.approx(before * 0.999**20, rel=2e-3)  # decays at b2's rate on average
+
+
+# adam_mu_dtype (with a bf16 nu too: the two moments trained and checkpointed together)
+
+@pytest.mark.parametrize("value", ["float16", "bf16", 16, jnp.bfloat16])
+def test_mu_bad_value_names_the_field(value):
+    with pytest.raises(ValueError, match=r"TrainConfig\.adam_mu_dtype: got .*expected one of"):
+        TrainConfig(adam_mu_dtype=value)
+
+
+def test_mu_round_trip_and_default():
+    tc = TrainConfig(adam_mu_dtype="bfloat16")
+    assert TrainConfig.from_dict(tc.to_dict()) == tc
+    # "auto": bfloat16 on GPUs (the update is memory-bound), the parameters' dtype on the CPU
+    assert TrainConfig().adam_mu_dtype == "auto"
+    assert TrainConfig().resolved("gpu").adam_mu_dtype == "bfloat16"
+    assert TrainConfig().resolved("cpu").adam_mu_dtype is None
+    assert make_optimizer(TrainConfig()) is make_optimizer(TrainConfig(adam_mu_dtype=None))  # on the CPU: one optimizer
+    assert make_optimizer(tc) is not make_optimizer(TrainConfig())
+    with pytest.raises(ValueError, match="adam_mu_dtype='bfloat16' in the checkpoint, None now"):
+        check_resume_config({"adam_mu_dtype": "bfloat16"}, {"adam_mu_dtype": None})
+
+
+@pytest.mark.parametrize("nu_dtype", [None, "bfloat16"])  # mu alone; both moments (DeepSeek-V3's recipe)
+def test_bf16_moments_train_and_checkpoint_with_their_dtype(tmp_path, nu_dtype):
+    cfg = get_config("tiny", n_layers=2, mtp_depth=0)  # fast compile
+    tc = TrainConfig(model=cfg, dataset="synthetic", seq_len=16, steps=4, warmup_steps=1, adam_mu_dtype="bfloat16",
+                     adam_nu_dtype=nu_dtype)
+    want_nu = jnp.dtype(nu_dtype or jnp.float32)
+    mesh = make_mesh(jax.devices()[:1])
+    program = build_program(cfg, make_optimizer(tc), mesh)
+    state = program.init(jax.random.key(0))
+    for adam in (_adam_state(state.opt_state), _adam_state(program.abstract_state.opt_state)):  # the step's layout too
+        assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
+        assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {want_nu}
+
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    compiled = program.train.lower(program.abstract_state, abstract_batch(2, 16, mesh)).compile()
+    for _ in range(3):
+        state, metrics = compiled(state, batch)
+        assert np.isfinite(float(metrics["loss"]))
+    adam = _adam_state(state.opt_state)
+    assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {want_nu}
+    assert any(float(jnp.abs(x.astype(jnp.float32)).max()) > 0 for x in jax.tree.leaves(adam.mu))
+    assert all(float(x.astype(jnp.float32).min()) >= 0 for x in jax.tree.leaves(adam.nu))
+    assert any(float(x.astype(jnp.float32).max()) > 0 for x in jax.tree.leaves(adam.nu))
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(3, state, {"step": 3, "config": tc.to_dict()})
+    assert ckpt.finish() is None
+    restored, record = Checkpointer(tmp_path / "ckpt").restore(program.abstract_state, config=tc.to_dict())
+    assert record["step"] == 3
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    state, metrics = compiled(restored, batch)  # the restored state runs the same executable
+    assert np.isfinite(float(metrics["loss"]))
+    changed = "adam_nu_dtype" if nu_dtype else "adam_mu_dtype"  # resuming with another moment dtype is refused
+    with pytest.raises(ValueError, match=f"{changed}='bfloat16' in the checkpoint, None now"):
+        Checkpointer(tmp_path / "ckpt").restore(program.abstract_state, config=tc.replace(**{changed: None}).to_dict())

@@ -1,6 +1,10 @@
-"""RoPE and the attention's head splits with written-out backwards (`layers.apply_rope`, `layers.split_last`): the
-gradients of autodiff, and the attention's backward built without pads (autodiff's pad + pad + add fused into loops
-that read every operand at every element: 2 ms of a `reduced` step on an H200)."""
+"""The attention layers (`turbo_moe.model.layers`).
+
+- RoPE and the attention's head splits with written-out backwards (`apply_rope`, `split_last`): the gradients of
+  autodiff, and the attention's backward built without pads (autodiff's pad + pad + add fused into loops that read
+  every operand at every element).
+- `ModelConfig.attention_impl`: "auto" (the default) and "cudnn_unpadded" are the GPU's cuDNN call with v at its own
+  width; elsewhere both are XLA's attention (here, on the CPU), and a bad value names the field."""
 import re
 
 import jax
@@ -10,7 +14,7 @@ import pytest
 from flax import nnx
 
 from turbo_moe.model import get_config
-from turbo_moe.model.layers import MLAttention, _rope, apply_rope, rope_tables, split_last
+from turbo_moe.model.layers import _rope, apply_rope, causal_attention, rope_tables, split_last
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -57,3 +61,23 @@ def test_attention_backward_pads_only_v():
 
     pads = _pads_of_attention_gradient(layers)
     assert pads and set(pads) <= {(0, 12), (0, -12)}, pads  # v to the qk width (24) and that pad's transpose
+
+
+@pytest.mark.parametrize("impl", ["auto", "cudnn_unpadded"])
+def test_attention_impl_falls_back_to_xla_off_the_gpu(impl):
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal((2, 12, 3, 24)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((2, 12, 3, 16)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((2, 12, 3, 16)), jnp.float32)
+    outs = {name: jax.vjp(lambda *a, name=name: causal_attention(*a, name), q, k, v) for name in ("xla", impl)}
+    np.testing.assert_array_equal(outs[impl][0], outs["xla"][0])
+    for a, b in zip(outs[impl][1](g), outs["xla"][1](g)):
+        np.testing.assert_array_equal(a, b)
+    assert outs["xla"][0].shape == (2, 12, 3, 16)
+
+
+def test_attention_impl_bad_value_names_the_field():
+    assert get_config("tiny").attention_impl == "auto"
+    assert get_config("tiny", attention_impl="cudnn_unpadded").attention_impl == "cudnn_unpadded"
+    with pytest.raises(ValueError, match=r"ModelConfig\.attention_impl.*'cudnn_unpadded'"):
+        get_config("tiny", attention_impl="flash")
