@@ -93,8 +93,11 @@ cuda: | $(STAMP)
 
 cuda-check: cuda
 
+# Two pytest-xdist workers (CI has 2 cores: one compiles while the other runs). `--dist loadfile` keeps a file's
+# tests on one worker, so a module-scoped fixture (a training run, the fault campaign, JupyterLab) runs once.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q; rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as a failure"; fi; exit $$rc
 
 # --force: a fresh machine measures its own CPU points (the committed rows are kept in the table);

@@ -36,4 +36,8 @@ def kernel(tmp_path_factory):
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
         mp.setenv("XLA_FLAGS", " ".join(flags))
+        # One compilation cache for this session's kernels, empty at the start: nbval's re-run of a notebook that
+        # papermill just executed loads its programs instead of compiling them again.
+        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("kernel_jax_cache")))
+        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
         yield TEST_KERNEL
