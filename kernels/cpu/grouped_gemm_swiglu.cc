@@ -3,8 +3,8 @@
 //   act[r, j] = silu(h[r, j]) * h[r, F + j] (M, F), from h as stored (rounded to its dtype), in float32.
 // Why one call returns both: the caller keeps h for its backward pass and feeds act to the next GEMM. Inside
 // a layer scan XLA writes a custom call's result straight into the scan's stacked residuals only when that
-// result has no other reader; with SwiGLU as a separate XLA fusion reading h it copied h instead (201 MB a
-// layer at `reduced`; experiments/NOTES.md, issue 14). Same contract as kernels/cuda/grouped_gemm_swiglu.cu.
+// result has no other reader; with SwiGLU as a separate XLA fusion reading h it copied h instead (a copy
+// of h per layer). Same contract as kernels/cuda/grouped_gemm_swiglu.cu.
 #include <cmath>
 
 #include "../contracts/grouped_gemm_swiglu.h"

@@ -5,7 +5,7 @@
 //     act_w[r] = round(round(act[r]) * w[r])   (act as grouped_gemm_swiglu's forward rounds it)
 // g is the down GEMM's data gradient of the unweighted output cotangent, w each row's combine weight: d_w is the
 // combine weight's gradient, d_h the gate/up output's, act_w the down weight gradient's lhs. One pass reads h and
-// g once; as XLA fusions the results read h three times (experiments/NOTES.md, issue 14). Rows from `valid` on
+// g once; as XLA fusions the results read h three times. Rows from `valid` on
 // (a worst-case EP tail nothing reads) are not computed: NaN here, unwritten on CUDA. Optional leading dims are
 // shared by all operands. Same contract as
 // kernels/cuda/swiglu_combine_grad.cu (not bit for bit: exp differs by an ulp between the two libraries).

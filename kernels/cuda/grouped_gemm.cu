@@ -95,7 +95,7 @@ ffi::Error run_grouped_gemm(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuf
   a.tile_prefix = s.tile_prefix;
   // Rows that belong to no group are zero (the sm90 prologue zeroes them) unless the caller lets them stay
   // unwritten: a worst-case EP buffer is mostly tail (P * T * k rows, ~T * k real), and its zeros cost more
-  // than the GEMM at EP=4 (experiments/NOTES.md, issue 14).
+  // than the GEMM at EP=4 (docs/notes/step-time.md).
   if (fast) return launch_grouped_gemm_sm90(a, s.sm90, s.sm90_bytes, device, stream);
   launch_group_offsets(a.sizes, a.batch, a.G, a.M, s.offsets, s.tile_prefix, kSimtTileRows, stream);
   if (ffi::Error err = launch_grouped_gemm_simt(a, stream); err.failure()) return err;

@@ -36,8 +36,8 @@ struct Cooperative {
 
 // The same tile without the cluster, for outputs whose count of 256-wide N tiles is odd: the group
 // tile scheduler rounds each problem's N tiles up to the cluster's 2, so at N = 1280 (5 tiles, the
-// `reduced` model's d_model) a sixth of the CTAs' tiles were empty (measured 0.69-0.72x dense there
-// against 0.82-0.90x at even counts: experiments/NOTES.md, issue 14).
+// `reduced` model's d_model) a sixth of the CTAs' tiles were empty, and the kernel ran well below its rate at
+// even counts (docs/kernels.md).
 struct CooperativeNoCluster {
   using TileShape = Shape<_128, _256, _64>;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -133,7 +133,7 @@ static __device__ void zero_span(char* base, int64_t begin, int64_t end, int64_t
 // Forward prologue, grid (1 + Z, batch). Block (0, b) writes batch b's offsets and the GEMM's arguments: problem
 // i = (b, g) is rows [offsets[g], offsets[g+1]) of lhs times rhs[b, g]; an empty group gets M = 0 (no tiles).
 // Blocks (1.., b) zero out's rows past the groups, which the GEMM does not write. One launch instead of three
-// (offsets, arguments, tail): each was a ~2 us kernel, ~200 of them a `reduced` step (NOTES, issue 14).
+// (offsets, arguments, tail): each was a tiny kernel, hundreds of them a `reduced` step.
 template <typename Cfg, typename Element, bool kTransposeRhs>
 __global__ void __launch_bounds__(kPrologueThreads)
     forward_prologue(const int32_t* sizes, int32_t* offsets, const Element* lhs, const Element* rhs, Element* out,

@@ -113,7 +113,7 @@ __global__ void gather_rows_kernel(const char* __restrict__ x, const int32_t* __
   V* dst = reinterpret_cast<V*>(x_sorted + (b * slots + r) * row_bytes);
   const int64_t n = row_bytes / static_cast<int64_t>(sizeof(V));
   // Up to kBatch loads in flight per lane before the first store (a 2560-byte bf16 row at d 1280 is 5 per
-  // lane): one load at a time left the copy latency-bound at ~3.2 TB/s (experiments/NOTES.md, issue 14).
+  // lane): one load at a time left the copy latency-bound (docs/notes/step-time.md).
   constexpr int kBatch = 8;
   for (int64_t i0 = lane; i0 < n; i0 += 32 * kBatch) {
     V tmp[kBatch];

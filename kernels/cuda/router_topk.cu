@@ -224,9 +224,9 @@ __global__ void __launch_bounds__(1024) penalized_lanes_kernel(const float* __re
 // The lane-split walk with each sequence spread over a cluster of C blocks (Hopper): block r picks tokens
 // [r * per_block, (r + 1) * per_block) of every chunk and counts them in its own shared memory; after a cluster
 // barrier every block adds the C blocks' counts through distributed shared memory and computes the next penalty
-// itself. At b8 the walk runs on 8 x C SMs instead of 8 (it was ~0.15 ms a call on one SM per sequence, compute-
-// bound there); each thread loads its next token's values before the barrier. Counts are integers: the same
-// picks as the one-block walk, whatever the order of the adds.
+// itself. At b8 the walk runs on 8 x C SMs instead of 8 (on one SM per sequence it was compute-bound); each
+// thread loads its next token's values before the barrier. Counts are integers: the same picks as the one-block
+// walk, whatever the order of the adds.
 template <int PER>
 __global__ void __launch_bounds__(1024) penalized_cluster_kernel(const float* __restrict__ sel, const float* __restrict__ bias,
                                                                  int32_t* ids, Shape s, float penalty, int64_t chunk,
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(1024) penalized_cluster_kernel(const float* __
     if (start > 0) {
       const int* done = part + (parity ^ 1) * s.E;  // every block's picks in the previous chunk
       for (int64_t e = threadIdx.x; e < s.E; e += blockDim.x) {
-        int got[kMaxCluster];  // the remote reads issued before the first add (timed no faster than a loop: call 82)
+        int got[kMaxCluster];  // the remote reads issued before the first add (timed no faster than a loop)
 #pragma unroll
         for (unsigned r = 0; r < kMaxCluster; ++r) got[r] = r < C ? cluster.map_shared_rank(done, r)[e] : 0;
         int sum = 0;

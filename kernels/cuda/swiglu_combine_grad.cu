@@ -6,7 +6,7 @@
 //                                               gradient's lhs, which an XLA pass over h computed again before)
 // Rows from `valid` on (the expert block's worst-case EP tail, which nothing reads) are skipped, outputs unwritten.
 // One warp per row: h and g are read once, d_h and act_w written once, d_w a fixed-order warp reduction
-// (deterministic). As XLA fusions the results read h three times (experiments/NOTES.md, issue 14). Same contract as
+// (deterministic). As XLA fusions the results read h three times. Same contract as
 // kernels/cpu/swiglu_combine_grad.cc. No scratch, no host sync: safe in XLA's command buffers.
 #include "../contracts/registration.h"
 #include "../contracts/swiglu_combine_grad.h"

@@ -31,8 +31,8 @@ __global__ void __launch_bounds__(kThreads) unpermute_kernel(const T* __restrict
   const int64_t packs = H / V;
   for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
     float acc[V] = {};
-    // Two rows' loads in flight before their sums (the sums' order unchanged): +5-7% at the `reduced`, V2-Lite and
-    // V3 shapes (call 91). All k at once with one round of threads ran slower (call 89; NOTES, issue 14).
+    // Two rows' loads in flight before their sums (the sums' order unchanged): faster at the `reduced`, V2-Lite and
+    // V3 shapes; all k at once with one round of threads ran slower (docs/notes/step-time.md).
     int64_t j = 0;
     for (; j + 1 < k; j += 2) {
       const int32_t r0 = rows[j], r1 = rows[j + 1];

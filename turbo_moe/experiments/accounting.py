@@ -11,7 +11,7 @@ The estimates are analytic and state their assumptions:
   values under its remat policy (``saved_values_per_token``), one layer's working set, and the float32
   logits of the output heads (one chunk's with ``loss_chunk_tokens``). Layers are split over ``pipeline``;
   a layer's values over ``tensor``. The stacked weights' cast to the compute dtype before the layer scan is not
-  modelled: XLA:CPU and the GPU move the peak in opposite directions (experiments/NOTES.md, issue 14 part 2).
+  modelled: XLA:CPU and the GPU move the peak in opposite directions (docs/notes/archive).
   ``master_weights="split"`` keeps each stacked float32 master as a bf16 copy + 16 low bits: the same 4 bytes.
 - The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
   one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included); the
@@ -246,7 +246,7 @@ def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
     """Predicted peak bytes per device of one training step of ``cfg`` (its own ``moe_path``): AdamW
     states (parameters, gradients, two moments; ``adam_mu_dtype`` / ``adam_nu_dtype`` as the resolved TrainConfig
     fields) plus the activations above. Checked against XLA's buffer assignment by ``benchmarks/memory_check.py``
-    (experiments/NOTES.md, issue 12)."""
+    (docs/notes/archive)."""
     mesh = mesh or MeshShape()
     _check_path(cfg.moe_path)
     return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype, adam_nu_dtype),

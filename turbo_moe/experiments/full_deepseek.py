@@ -34,7 +34,7 @@ SHRINKS = (2, 4, 8, 16, 32, 64)
 _WIDTHS = {"d_model": 64, "n_heads": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "dense_ffn_dim": 64,
            "moe_ffn_dim": 16, "vocab_size": 512}
 # A shrunk slice is a smoke run of the paths: on a CPU its steps should take seconds (what a CPU runs
-# them at: experiments/NOTES.md, "Measurements moved out of code comments").
+# them at: docs/notes/archive, "Measurements moved out of code comments").
 SHRUNK_MAX_STEP_TFLOP = 0.003
 MIN_SEQ_LEN = 64
 INTERACTIVE_RESULTS = Path("experiments") / "runs" / "full_deepseek"
