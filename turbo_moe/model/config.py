@@ -104,6 +104,7 @@ class ModelConfig:
     router_bias_rate: float = 1e-3
     moe_path: str = "turbo"
     capacity_factor: float = 1.25  # dense_cf only; <= 0 computes every expert densely
+    drop_tokens: bool = False  # a dropless path drops what dense_cf at capacity_factor drops (model/capacity.py)
     # Expert parallelism (used when the ambient mesh has an "expert" axis of size > 1):
     ep_exchange: str = "deepep"  # turbo's exchange: "deepep" (moe_dispatch/combine) | "ragged_all_to_all"
     # deepep slots per source rank as a fraction of its tokens; 0 (or 1) = every token (never drops),
@@ -371,6 +372,9 @@ def _validate(c: ModelConfig) -> None:
                  f"must be a finite number >= 0, got {value!r}")
     _require(isinstance(c.capacity_factor, (int, float)) and math.isfinite(c.capacity_factor),
              "capacity_factor", f"must be a finite number, got {c.capacity_factor!r}")
+    _require(not c.drop_tokens or (c.moe_path != "dense_cf" and c.capacity_factor > 0), "drop_tokens",
+             f"drops dense_cf's overflow on a dropless path and needs capacity_factor > 0; got moe_path "
+             f"{c.moe_path!r}, capacity_factor {c.capacity_factor!r}")
     _require(c.ep_exchange in EP_EXCHANGES, "ep_exchange",
              f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
     _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
+from turbo_moe.model.capacity import drop_overflow
 from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.expert_parallel import data_parallel_moe_path, ep_moe_path, expert_axis_size, mesh_device_count
 from turbo_moe.model.experts import RoutedExperts
@@ -33,6 +34,7 @@ class MoELayer(nnx.Module):
         # Named scopes label the compiled ops for profiles (benchmarks/step_breakdown.py).
         with jax.named_scope("router"):
             routing = self.router(x)
+            routing, capacity_dropped = drop_overflow(routing, self.cfg)  # None: the path's own drops
         path = moe_path_fn(self.cfg.moe_path, self.cfg.capacity_factor)
         if expert_axis_size() > 1:  # traced under a mesh with an "expert" axis: routed experts split over it
             path = ep_moe_path(self.cfg.moe_path, capacity_factor=self.cfg.capacity_factor,
@@ -47,4 +49,5 @@ class MoELayer(nnx.Module):
                 y = y + self.shared(x)
         with jax.named_scope("router"):
             balance = sequence_balance_loss(routing.scores, routing.expert_ids, self.cfg.n_experts)
-        return y, LayerStats(stats.expert_load, stats.dropped_fraction, balance)
+        dropped = stats.dropped_fraction if capacity_dropped is None else capacity_dropped
+        return y, LayerStats(stats.expert_load, dropped, balance)
