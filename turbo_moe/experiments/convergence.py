@@ -135,11 +135,13 @@ def plot_drop_penalty(records: Sequence[dict], out_png: str | Path, *, footer: s
     colours = _colours(plt, curves(records))
     _plot_eval_loss(axes[0, 0], records, colours, confidence)
     _plot_penalty(axes[0, 1], records, colours, baseline, confidence)
-    for ax, key, label in ((axes[1, 0], "dropped_fraction", "dropped fraction of (token, choice) pairs"),
-                           (axes[1, 1], "load_max_over_mean", "max / mean expert load (mean over layers)")):
+    for ax, key, label, title in ((axes[1, 0], "dropped_fraction", "dropped fraction of (token, choice) pairs",
+                                   "dropped pairs"),
+                                  (axes[1, 1], "load_max_over_mean", "max / mean expert load (mean over layers)",
+                                   "expert load")):
         for path, (tokens, mean) in sorted(step_series(records, key, window).items()):
             ax.plot(tokens, mean, color=colours.get(path), lw=1.6, label=path)
-        ax.set(xlabel="training tokens", ylabel=label, title=f"{label} ({window}-step mean, mean over seeds)")
+        ax.set(xlabel="training tokens", ylabel=label, title=f"{title} ({window}-step mean, mean over seeds)")
         if ax.lines:
             ax.legend(fontsize=8)
     return _save(fig, plt, out_png, footer)
@@ -188,7 +190,8 @@ def records_from_store(store_dir: str | Path, campaigns: Iterable[str] | None = 
         record = store.record_dict(row, history)
         evals = [{"step": h["step"], **{k[len("evals."):]: v for k, v in h.items() if k.startswith("evals.")}}
                  for h in record.pop("history")]
-        out.append({**record, "status": row["status"], "evals": [e for e in evals if "eval_loss" in e]})
+        out.append({**record, "status": row["status"], "campaign": row.get("campaign"),
+                    "evals": [e for e in evals if "eval_loss" in e]})
     return out
 
 

@@ -197,6 +197,15 @@ def routing_phases(histories: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _drop_penalty(records: list[dict]):
+    """The drop-penalty figure with the report's provenance footer (its runs' devices, dates, commits, campaign)."""
+    if not records:
+        return None
+    fig = convergence.plot_drop_penalty(records, None)
+    keys = ("device_kind", "date", "git_commit", "campaign", "load_per_core")
+    return figures.add_provenance(fig, pd.DataFrame([{k: r.get(k) for k in keys} for r in records]))
+
+
 def figure_builders(data: ReportData) -> dict[str, object]:
     """name -> zero-argument callable drawing that figure (None when its data is missing)."""
     builders = {
@@ -206,7 +215,7 @@ def figure_builders(data: ReportData) -> dict[str, object]:
         "dropped_fraction": lambda: figures.dropped_fraction(data.histories, data.results),
         "expert_load_over_steps": lambda: figures.load_over_steps(data.histories, data.results, ROUTING_PHASES),
         "synthetic_vs_real": lambda: figures.synthetic_vs_real(data.results),
-        "drop_penalty": lambda: convergence.plot_drop_penalty(data.drop_penalty, None) if data.drop_penalty else None,
+        "drop_penalty": lambda: _drop_penalty(data.drop_penalty),
     }
     for sweep, loads in data.loads.items():
         rows = data.results[data.results["sweep"] == sweep]
