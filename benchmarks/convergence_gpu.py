@@ -1,7 +1,7 @@
 """The drop penalty at scale: turbo against dense_cf's drops, several seeds, one run per GPU, resumable across calls.
 
 Runs (seed-major: every path of seed 0, then seed 1, ...): the dropless turbo path and dense_cf at each capacity
-factor. By default the dense_cf runs are turbo with dense_cf's drops (`ModelConfig.capacity_factor` < 0,
+factor. By default the dense_cf runs are turbo with dense_cf's drops (`ModelConfig.drop_tokens`,
 `turbo_moe.model.capacity`): the same pairs dropped and the same losses and gradients as dense_cf, at turbo's speed
 (dense_cf itself runs ~2.5x slower); `--drops-on dense_cf` runs dense_cf itself. Each run trains `--tokens` tokens
 (the LR schedule spans them all) with held-out loss every `--eval-every` steps on one fixed eval set (the first
@@ -366,17 +366,23 @@ def summary_text(records: list[dict]) -> str:
     return "\n".join(lines) + "\n\n" + C.format_summary(C.summarize(finished))
 
 
-def analyze(out: Path, figure: Path | None, source: Path | None = None) -> str:
+def analyze(out: Path, figure: Path | None, sources: list[Path] | None = None) -> str:
     """runs/<label>.json, evals.csv, summary.md and the figure in `out` (a results campaign folder, which the store
-    ingests) from a call's drop_penalty_runs.json (`source`, default <out>/drop_penalty_runs.json)."""
+    ingests) from the GPU calls' drop_penalty_runs.json files (`sources`, default <out>/drop_penalty_runs.json).
+    Several calls' files merge run by run; a label in two files is refused (which one holds the run is unclear)."""
     import csv
 
     from turbo_moe.experiments import convergence as C
 
-    source = source or out / RUNS_FILE
-    records = _read_json(source)
-    if records is None:
-        raise FileNotFoundError(f"{source} is missing or not JSON: give a GPU call's {RUNS_FILE} with --from")
+    records: list[dict] = []
+    for source in sources or [out / RUNS_FILE]:
+        found = _read_json(source)
+        if found is None:
+            raise FileNotFoundError(f"{source} is missing or not JSON: give a GPU call's {RUNS_FILE} with --from")
+        twice = {r["label"] for r in found} & {r["label"] for r in records}
+        if twice:
+            raise ValueError(f"--from {source}: runs {sorted(twice)} are already in an earlier --from file")
+        records += found
     for r in records:
         _write_json(out / "runs" / f"{r['label']}.json", r)
     rows = [{"label": r["label"], "path": C.run_label(r), "seed": r["seed"], **e}
@@ -387,9 +393,13 @@ def analyze(out: Path, figure: Path | None, source: Path | None = None) -> str:
             writer.writeheader()
             writer.writerows(rows)
     text = summary_text(records)
-    prov = next((r["provenance"] for r in records if r.get("provenance")), {})
-    footer = (f"{prov.get('device_kind', '?')} | jax {prov.get('jax_version', '?')} | commit "
-              f"{prov.get('git_commit', '?')} | {prov.get('date', '?')} | benchmarks/convergence_gpu.py")
+    provs = [r["provenance"] for r in records if r.get("provenance")] or [{}]
+
+    def each(key: str, width: int = 0) -> str:  # every distinct value, in run order
+        return ", ".join(dict.fromkeys(str(p.get(key, "?"))[:width or None] for p in provs))
+
+    footer = (f"{each('device_kind')} | jax {each('jax_version')} | commit {each('git_commit', 12)} | "
+              f"{each('date', 10)} | benchmarks/convergence_gpu.py")
     (out / "summary.md").write_text(f"{footer}\n\n{text}\n")
     (out / "summary.json").write_text(json.dumps(C.summarize([r for r in records if r["status"] == "ok"]),
                                                  indent=1, default=str))
@@ -406,6 +416,7 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default="turbo,dense_cf:1.0,dense_cf:1.25", help="comma list of path[:capacity_factor]")
     p.add_argument("--drops-on", default="turbo", help="the path dense_cf:X runs as ('dense_cf': dense_cf itself)")
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--only", default="", help="comma list of run labels: run just these of paths x seeds")
     p.add_argument("--model", default="reduced")
     p.add_argument("--dataset", default="pd_english_xl", help="a named dataset or a path (C4-style jsonl.gz, ...)")
     p.add_argument("--vocab", type=int, default=8192)
@@ -428,7 +439,8 @@ def main(argv=None) -> int:
     p.add_argument("--prepare-data", action="store_true", help="build the dataset's token cache and exit")
     p.add_argument("--export", help="--prepare-data: copy the prepared tokens into this folder (to carry)")
     p.add_argument("--analyze-only", action="store_true", help="write runs/, evals.csv, summary and figure from --out")
-    p.add_argument("--from", dest="source", help=f"--analyze-only: a call's {RUNS_FILE} (default: in --out)")
+    p.add_argument("--from", dest="sources", type=Path, action="append",
+                   help=f"--analyze-only: a call's {RUNS_FILE} (repeat to merge calls; default: the one in --out)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--until", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -457,6 +469,12 @@ def main(argv=None) -> int:
         p.error("--out is required")
     state_dir = Path(args.state).resolve()  # orbax wants absolute checkpoint paths
     runs = plan(parse_paths(args.paths), [int(s) for s in args.seeds.split(",")], args.drops_on)
+    if args.only:
+        wanted = [label.strip() for label in args.only.split(",")]
+        unknown = sorted(set(wanted) - {r.label for r in runs})
+        if unknown:
+            p.error(f"--only {unknown} are none of the planned runs {[r.label for r in runs]}")
+        runs = [r for r in runs if r.label in wanted]
     if args.worker:
         spec = next((r for r in runs if r.label == args.worker), None)
         if spec is None:
@@ -464,7 +482,7 @@ def main(argv=None) -> int:
         return work(args, spec, args.until, state_dir)
     if args.analyze_only:
         print(analyze(Path(args.out), Path(args.figure) if args.figure else Path(args.out) / "drop_penalty.png",
-                      Path(args.source) if args.source else None))
+                      args.sources))
         return 0
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_compilation_cache")
     return Orchestrator(args, runs, state_dir, Path(args.out), argv).run()

@@ -169,6 +169,25 @@ def test_pipeline_killed_and_resumed_gives_the_same_curves(tmp_path):
         np.testing.assert_allclose(cut[label]["steps"]["loss"], record["steps"]["loss"], rtol=1e-6)
 
 
+
+def test_analysis_merges_calls_and_refuses_a_run_twice(tmp_path):
+    records = fake_records()
+    first, second = tmp_path / "call1.json", tmp_path / "call2.json"
+    first.write_text(json.dumps(records[:3]))
+    second.write_text(json.dumps([dict(r, provenance=dict(r["provenance"], git_commit="def")) for r in records[3:]]))
+    out = tmp_path / "dp"
+    bench.analyze(out, None, [first, second])
+    assert len(list((out / "runs").glob("*.json"))) == 8
+    assert "commit abc, def" in (out / "summary.md").read_text().splitlines()[0]
+    with pytest.raises(ValueError, match="already in an earlier --from file"):
+        bench.analyze(tmp_path / "again", None, [first, first])
+
+
+def test_only_runs_the_named_labels(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--seeds", "0,1", "--only", "turbo_seed7"])
+    assert "turbo_seed7" in capsys.readouterr().err
+
 def test_report_draws_the_drop_penalty_from_the_store(tmp_path):
     from turbo_moe.experiments import report
 
@@ -177,7 +196,7 @@ def test_report_draws_the_drop_penalty_from_the_store(tmp_path):
     campaign.mkdir(parents=True)
     source = tmp_path / bench.RUNS_FILE
     source.write_text(json.dumps(fake_records()))
-    bench.analyze(campaign, None, source)
+    bench.analyze(campaign, None, [source])
     report.ingest_live_tables(results, tmp_path / "store")
     data = report.load_report_data(tmp_path / "store")
     by_label = {r["label"]: r for r in data.drop_penalty}
