@@ -417,7 +417,7 @@ TITLES = {
     "gpu_paths_x_batch": "every path against per-device batch, `reduced`, synthetic tokens (defaults of 2026-11-26)",
     "gpu_paths_x_steps": "every path over 400 steps, `reduced`, Shakespeare (defaults of 2026-11-26)",
     "defaults_vs_best_h200": "each path at its defaults against the best known settings, `reduced` b8 x 2048, H200",
-    "gpu_synthetic_vs_real": "synthetic tokens against real text, `reduced` (settings of 2026-11-21)",
+    "gpu_synthetic_vs_real": "synthetic tokens against real text, `reduced` (defaults of 2026-11-26)",
     "kernels_h100_80gb_hbm3": "grouped GEMM against ragged_dot, pallas and the dense ceiling, H100",
     "kernels_h200_wgrad_order": "grouped GEMM against ragged_dot and the dense ceiling, H200",
 }
