@@ -126,3 +126,28 @@ def test_seed_repeats_get_their_own_label_and_curve():
     labels = with_path_labels(frame)["path"].tolist()
     assert labels == ["turbo (seed 0)", "turbo (seed 1)", "ragged", "dense_cf (cf=1)"]
     assert report.comparison_sweeps(frame) == ["s"]
+
+
+def test_memory_bars_are_the_train_steps_need_and_markers_the_measured_peak():
+    """The measured peak covers the parameter init too: at small batches it is the init's, the same for every path.
+    The bars show the compiled step's own need, so the paths stay apart."""
+    import pandas as pd
+    from matplotlib.collections import PathCollection
+
+    from turbo_moe.experiments import figures
+
+    gib = figures.GIB
+    rows = pd.DataFrame([
+        {"sweep": "s", "status": "ok", "moe_path": path, "per_device_batch": batch, "device_kind": "gpu",
+         "peak_memory_bytes": peak * gib, "compiled_total_bytes": need * gib, "memory_source": "device peak"}
+        for path, batch, need, peak in [("turbo", 2, 20, 44), ("turbo", 8, 30, 44), ("ragged", 2, 38, 44),
+                                        ("ragged", 8, 83, 85)]])
+    fig = figures.peak_memory(rows)
+    ax = fig.axes[0]
+    heights = sorted(round(b.get_height()) for b in ax.patches if b.get_height() > 0)
+    assert heights == [20, 30, 38, 83]
+    peaks = sorted(round(y) for c in ax.collections if isinstance(c, PathCollection) for _, y in c.get_offsets())
+    assert peaks == [44, 44, 44, 85]
+    assert "XLA memory analysis" in ax.get_title()
+    without = figures.peak_memory(rows.drop(columns="compiled_total_bytes"))  # older records: the peak as bars
+    assert sorted(round(b.get_height()) for b in without.axes[0].patches if b.get_height() > 0) == [44, 44, 44, 85]
