@@ -9,7 +9,7 @@
 // accumulator, DeepSeek-V3's promotion interval. As in grouped_gemm_sm90, a one-block prologue kernel turns the
 // device-resident group sizes into per-group problem shapes, pointers, strides and scale pointers: no host sync, and
 // the handlers are command-buffer compatible. FP8 wgmma reads both operands K-major, hence the layouts in the contract.
-#include "block_scan.cuh"
+#include "group_walk.cuh"
 #include "common.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -116,38 +116,6 @@ struct DeviceArgs {
 
 constexpr int kPrologueThreads = 256;
 
-// Visits (g, start, rows) for every group, a chunk of blockDim.x groups at a time (all threads take part, g >= G past
-// the last group), with the clamped layout of the sizes: each group's rows rounded up to `round` (1: the plain layout,
-// 128: the weight gradient's padded one) and nothing past `limit` rows. Returns the rows of all groups.
-template <typename Visit>
-__device__ int64_t scan_groups(const int32_t* sizes, int64_t G, int64_t M, int64_t round, Visit visit) {
-  __shared__ long long warp_sums[32];
-  long long carry = 0, used = 0;
-  for (int64_t g0 = 0; g0 < G; g0 += blockDim.x) {
-    const int64_t g = g0 + threadIdx.x;
-    const long long size = g < G ? max(sizes[g], 0) : 0;
-    long long total;
-    const long long end = carry + block_inclusive_scan(size, warp_sums, &total);
-    const long long start = min(end - size, static_cast<long long>(M)), stop = min(end, static_cast<long long>(M));
-    const long long rows = stop - start;  // the clamped size
-    const long long padded = (rows + round - 1) / round * round;
-    long long padded_total;
-    const long long padded_end = used + block_inclusive_scan(padded, warp_sums, &padded_total);
-    visit(g, round == 1 ? static_cast<int64_t>(start) : static_cast<int64_t>(padded_end - padded),
-          static_cast<int64_t>(rows));
-    carry += total;
-    used += padded_total;
-  }
-  return min(carry, static_cast<long long>(M));
-}
-
-// Zeroes bytes [begin, end) of `base` (multiples of 16, base 16-aligned) with `blocks` blocks, this one `rank`.
-__device__ void zero_span(char* base, int64_t begin, int64_t end, int64_t rank, int64_t blocks) {
-  uint4* v = reinterpret_cast<uint4*>(base + begin);
-  const int64_t n = (end - begin) / 16;
-  for (int64_t i = rank * blockDim.x + threadIdx.x; i < n; i += blocks * blockDim.x) v[i] = make_uint4(0, 0, 0, 0);
-}
-
 // Rows prologue, grid 1 + Z blocks. Block 0: problem g = rows [start, start + rows_g) of lhs times rhs[g] ([N, K]);
 // an empty group gets M = 0 (no tiles). Blocks 1..Z zero out's rows past the groups (the GEMM does not write them).
 __global__ void __launch_bounds__(kPrologueThreads)
@@ -156,7 +124,7 @@ __global__ void __launch_bounds__(kPrologueThreads)
   using Cfg = RowsConfig;
   const int64_t kb = K / kFp8Block, nb = N / kFp8Block;
   if (blockIdx.x == 0) {
-    scan_groups(sizes, G, M, 1, [&](int64_t g, int64_t start, int64_t rows) {
+    scan_group_rows(sizes, G, M, [&](int64_t g, int64_t start, int64_t rows) {
       if (g >= G) return;
       const int m = static_cast<int>(rows), k = static_cast<int>(K), n = static_cast<int>(N);
       d.shapes[g] = Cfg::Shape3(m, n, k);
@@ -172,7 +140,7 @@ __global__ void __launch_bounds__(kPrologueThreads)
       d.layout_sfb[g] = Cfg::ScaleConfig::tile_atom_to_shape_SFB(make_shape(max(m, 1), n, k, 1));
     });
   } else {
-    const int64_t total = scan_groups(sizes, G, M, 1, [](int64_t, int64_t, int64_t) {});
+    const int64_t total = scan_group_rows(sizes, G, M, [](int64_t, int64_t, int64_t) {});
     const int64_t row_bytes = N * static_cast<int64_t>(sizeof(Out));  // N % 128 == 0: a multiple of 16
     zero_span(reinterpret_cast<char*>(out), total * row_bytes, M * row_bytes, blockIdx.x - 1, gridDim.x - 1);
   }
@@ -187,7 +155,7 @@ __global__ void __launch_bounds__(kPrologueThreads)
                          DeviceArgs<WeightGradConfig> d) {
   using Cfg = WeightGradConfig;
   if (blockIdx.x == 0) {
-    scan_groups(sizes, G, M, kFp8Block, [&](int64_t g, int64_t start, int64_t rows) {
+    scan_group_rows<kFp8Block>(sizes, G, M, [&](int64_t g, int64_t start, int64_t rows) {
       if (g >= G) return;
       const int64_t padded = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
       const int kk = static_cast<int>(K), n = static_cast<int>(N);
@@ -211,7 +179,7 @@ __global__ void __launch_bounds__(kPrologueThreads)
     __shared__ int n_empty;
     if (threadIdx.x == 0) n_empty = 0;
     __syncthreads();
-    scan_groups(sizes, G, M, 1, [&](int64_t g, int64_t, int64_t rows) {
+    scan_group_rows(sizes, G, M, [&](int64_t g, int64_t, int64_t rows) {
       if (g < G && rows == 0) empty[atomicAdd(&n_empty, 1)] = static_cast<int32_t>(g);
       __syncthreads();
       for (int e = 0; e < n_empty; ++e)

@@ -16,7 +16,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
-#include "block_scan.cuh"
+#include "group_walk.cuh"
 #include "grouped_gemm.h"
 
 namespace turbo_moe::sm90 {
@@ -103,32 +103,6 @@ struct DeviceArgs {
 };
 
 constexpr int kPrologueThreads = 256;
-
-// Block b's clamped group offsets, a chunk of kPrologueThreads groups at a time: calls visit(g, start, rows) once a
-// chunk on every thread (g >= G past the last group; all threads take part, so visit may hold block barriers) and
-// returns min(sum(sizes), M).
-template <typename Visit>
-__device__ int64_t scan_group_rows(const int32_t* sizes, int64_t G, int64_t M, Visit visit) {
-  __shared__ long long warp_sums[32];
-  long long carry = 0;
-  for (int64_t g0 = 0; g0 < G; g0 += blockDim.x) {
-    const int64_t g = g0 + threadIdx.x;
-    const long long size = g < G ? max(sizes[g], 0) : 0;
-    long long chunk_total;
-    const long long end = carry + block_inclusive_scan(size, warp_sums, &chunk_total);
-    const long long start = min(end - size, static_cast<long long>(M)), stop = min(end, static_cast<long long>(M));
-    visit(g, static_cast<int64_t>(start), static_cast<int64_t>(stop - start));
-    carry += chunk_total;
-  }
-  return min(carry, static_cast<long long>(M));
-}
-
-// Zeroes bytes [begin, end) of `base` (both multiples of 16, base 16-aligned) with `blocks` blocks, this one `rank`.
-static __device__ void zero_span(char* base, int64_t begin, int64_t end, int64_t rank, int64_t blocks) {
-  uint4* v = reinterpret_cast<uint4*>(base + begin);
-  const int64_t n = (end - begin) / 16;
-  for (int64_t i = rank * blockDim.x + threadIdx.x; i < n; i += blocks * blockDim.x) v[i] = make_uint4(0, 0, 0, 0);
-}
 
 // Forward prologue, grid (1 + Z, batch). Block (0, b) writes batch b's offsets and the GEMM's arguments: problem
 // i = (b, g) is rows [offsets[g], offsets[g+1]) of lhs times rhs[b, g]; an empty group gets M = 0 (no tiles).
