@@ -30,7 +30,7 @@ GIB = 2**30
 SWITCHES = ("remat_policy", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding", "cast_params_before_scan",
             "cast_params_in_update", "master_weights", "scan_outputs_uninitialized", "loss_chunk_tokens",
             "logits_dtype", "param_dtype",
-            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_center_causal",
+            "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_recipe", "router_center_causal",
             "router_seq_load_penalty", "router_topk_impl", "attention_impl", "expert_backward", "swiglu_impl",
             "embedding_grad")
 
@@ -38,7 +38,7 @@ SWITCHES = ("remat_policy", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding"
 _SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "adam_nu_dtype": "nu", "adam_nu_rounding": "nu_round",
           "cast_params_before_scan": "cast", "cast_params_in_update": "cast_update", "master_weights": "master",
           "scan_outputs_uninitialized": "uninit", "loss_chunk_tokens": "chunk", "logits_dtype": "logits",
-          "param_dtype": "params", "router_center_causal": "center", "router_seq_load_penalty": "seqload",
+          "param_dtype": "params", "router_recipe": "router", "router_center_causal": "center", "router_seq_load_penalty": "seqload",
           "router_topk_impl": "topk", "attention_impl": "attn", "expert_backward": "expert_bwd", "swiglu_impl": "swiglu",
           "embedding_grad": "emb_grad"}
 

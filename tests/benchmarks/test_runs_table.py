@@ -75,11 +75,13 @@ def test_switches_are_the_runs_own_not_todays_defaults(runs_table, tmp_path):
     # as an older run recorded them: swiglu_impl "xla" (a field since decided and removed); no logits_dtype field then
     model = {**{k: v for k, v in vars(get_config("reduced", moe_path="turbo")).items() if k != "logits_dtype"},
              "swiglu_impl": "xla", "cast_params_before_scan": True, "router_topk_impl": "kernel",
-             "expert_backward": "block", "embedding_grad": "segment"}
+             "expert_backward": "block", "embedding_grad": "segment", "router_center_causal": True,
+             "router_seq_load_penalty": 0.1}
     train = {**TrainConfig.from_dict({"progress": False, **record["config"]}).to_dict(),
-             "cast_params_in_update": False, "scan_outputs_uninitialized": True}
+             "cast_params_in_update": False, "scan_outputs_uninitialized": True, "adam_nu_rounding": "stochastic"}
     record["provenance"] = {**record["provenance"], "model_config": model, "config": train}
     row = runs_table.row(record, path)
     assert row["swiglu_impl"] == "xla" and row["remat_policy"] == get_config("reduced").remat_policy
-    assert row["adam_mu_dtype"] == "bfloat16" and row["adam_nu_rounding"] == train["adam_nu_rounding"]
+    assert row["adam_mu_dtype"] == "bfloat16" and row["adam_nu_rounding"] == "stochastic"
+    assert (row["router_center_causal"], row["router_seq_load_penalty"]) == (True, 0.1)
     assert row["logits_dtype"] is None and row["switches_not_recorded"] == "logits_dtype"

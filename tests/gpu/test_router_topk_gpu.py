@@ -61,12 +61,11 @@ def test_cuda_matches_the_xla_path_on_the_gpu(shape, penalty):
     (the kernel follows XLA:CPU): an ulp apart, a near-tie can flip and move that sequence's later counts."""
     B, S, E, k, G, tg = SHAPES[shape]
     sel, bias = inputs(np.random.default_rng(), B, S, E, skew=False)
-    cfg = get_config("tiny", n_experts=E, top_k=k, n_groups=G, topk_groups=tg, router_seq_load_penalty=penalty,
-                     router_seq_load_chunk=128, max_seq_len=S)
+    cfg = get_config("tiny", n_experts=E, top_k=k, n_groups=G, topk_groups=tg, max_seq_len=S)
 
     def xla(s, b):
-        return group_limited_topk(seq_load_penalized_selection(s, b, cfg) if penalty > 0 else s, b, top_k=k,
-                                  n_groups=G, topk_groups=tg)
+        return group_limited_topk(seq_load_penalized_selection(s, b, cfg, penalty, 128) if penalty > 0 else s, b,
+                                  top_k=k, n_groups=G, topk_groups=tg)
 
     kernel = on(GPU, jax.jit(lambda s, b: router_topk(s, b, top_k=k, n_groups=G, topk_groups=tg, penalty=penalty,
                                                       chunk=128)), sel, bias)

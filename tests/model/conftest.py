@@ -22,6 +22,20 @@ def micro_config(**overrides):
     return get_config("tiny", n_layers=2, max_seq_len=16, **overrides)
 
 
+def router_recipe_with(monkeypatch, **values):
+    """The name of a router recipe registered for this test only: DeepSeek-V3's with `values` (RouterRecipe's
+    attributes) changed, where a test needs one mechanism alone or a chunk shorter than a tiny sequence (the
+    recipes a user names are the fixed table of turbo_moe.model.router_recipes)."""
+    import dataclasses
+
+    from turbo_moe.model import router_recipes
+
+    name = "test:" + ",".join(f"{key}={value}" for key, value in sorted(values.items()))
+    monkeypatch.setitem(router_recipes._RECIPES, name,
+                        dataclasses.replace(router_recipes.ROUTER_RECIPES["deepseek_v3"], **values))
+    return name
+
+
 def model_paths_with(monkeypatch, **variant):
     """The model's MoE layers with their one-device path built as `moe_path_fn(path, capacity_factor, **variant)`:
     a test reference such as `expert_backward="autodiff"` or `swiglu_impl="kernel"`, where the model always runs the

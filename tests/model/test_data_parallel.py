@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model.conftest import micro_config
+from tests.model.conftest import micro_config, router_recipe_with
 from turbo_moe.model import DeepSeekModel, lm_loss
 from turbo_moe.train.step import batch_sharding, make_mesh, state_shardings
 
@@ -64,8 +64,8 @@ def test_the_router_kernel_runs_per_device_and_matches_one_device(monkeypatch):
     from turbo_moe.model import router
 
     monkeypatch.setattr(router, "topk_kernel_here", lambda: True)
-    cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0,
-                       router_seq_load_penalty=0.1, router_seq_load_chunk=4, router_center_causal=True)
+    recipe = router_recipe_with(monkeypatch, seq_load_penalty=0.1, seq_load_chunk=4, center_causal=True)
+    cfg = micro_config(moe_path="turbo", dtype="float32", capacity_factor=1.0, router_recipe=recipe)
     ((ref_loss, ref_metrics), _), compiled, args = _one_device_and_sharded(cfg, seed=1)
     _assert_every_call_is_local(compiled, "turbo_moe_router_topk", f"f32[{8 // 4},{cfg.max_seq_len},{cfg.n_experts}]")
     (loss, metrics), _ = compiled(*args)

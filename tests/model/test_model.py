@@ -1,7 +1,7 @@
 """DeepSeekModel end to end on micro configs: shapes, causality, path equivalence, remat, training; the stacked
-weights cast before the layer scan; the output-head bias (`head_bias`); zero-initialised out projections
-(`zero_init_out_proj`); the remat policy "dots_experts_attention" (same loss and gradients, and neither the expert
-GEMMs nor the routing run again in the backward pass)."""
+weights cast before the layer scan; the router recipe's output-head bias (`head_bias`) and zero-initialised out
+projections (`zero_init_out_proj`); the remat policy "dots_experts_attention" (same loss and gradients, and neither
+the expert GEMMs nor the routing run again in the backward pass)."""
 
 import re
 
@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from tests.model.conftest import ALL_PATHS, micro_config, model_paths_with, requires_turbo
+from tests.model.conftest import ALL_PATHS, micro_config, model_paths_with, requires_turbo, router_recipe_with
 from turbo_moe.data import PackedSequences, SyntheticSequences, unigram_log_prior
 from turbo_moe.model import DeepSeekModel, RouterBias, get_config, lm_loss, update_router_bias
 from turbo_moe.model.chunked_loss import chunked_cross_entropy
@@ -214,15 +214,21 @@ def _random_bias(vocab):
     return jax.random.normal(jax.random.key(3), (vocab,), jnp.float32) * 2.0
 
 
+@pytest.fixture
+def bias_recipe(monkeypatch):
+    """A recipe with the head bias alone (a model starts it at zero; training sets the unigram prior)."""
+    return router_recipe_with(monkeypatch, head_bias="unigram")
+
+
 def test_head_bias_config_choices():
-    assert all(get_config(name).head_bias == "none" for name in ("tiny", "small", "deepseek_v3_671b"))
-    assert get_config("reduced").head_bias == "unigram"  # the issue-13 routing recipe
-    with pytest.raises(ValueError, match=r"ModelConfig.head_bias: got 'yes'; expected one of \('none', 'zero', 'unigram'\)"):
+    assert all(get_config(name).router.head_bias == "none" for name in ("tiny", "small", "deepseek_v3_671b"))
+    assert get_config("reduced").router.head_bias == "unigram"  # the "short_run" recipe
+    with pytest.raises(ValueError, match=r"\['head_bias'\] were replaced by router_recipe"):
         get_config("tiny", head_bias="yes")
 
 
-def test_bias_adds_to_main_and_mtp_logits_and_changes_nothing_else():
-    plain, biased = _model(), _model(head_bias="zero")
+def test_bias_adds_to_main_and_mtp_logits_and_changes_nothing_else(bias_recipe):
+    plain, biased = _model(), _model(router_recipe=bias_recipe)
     assert plain.head_bias is None and "head_bias" not in nnx.state(plain, nnx.Param)
     # the bias draws no random numbers: every other parameter is the plain model's
     flat = dict(nnx.to_flat_state(nnx.state(biased, nnx.Param)))
@@ -236,8 +242,8 @@ def test_bias_adds_to_main_and_mtp_logits_and_changes_nothing_else():
     np.testing.assert_allclose(out_b.mtp_logits[0], out.mtp_logits[0] + bias, rtol=1e-6, atol=1e-6)
 
 
-def test_bias_gradient_is_the_mean_softmax_minus_onehot():
-    model = _model(head_bias="zero", mtp_depth=0, balance_loss_weight=0.0)
+def test_bias_gradient_is_the_mean_softmax_minus_onehot(bias_recipe):
+    model = _model(router_recipe=bias_recipe, mtp_depth=0, balance_loss_weight=0.0)
     model.head_bias[...] = _random_bias(model.cfg.vocab_size)
     batch = _batch(model.cfg.vocab_size)
     grads = nnx.grad(lambda m: lm_loss(m, batch)[0])(model)
@@ -273,12 +279,13 @@ def test_chunked_loss_with_bias_matches_unchunked(vocab_major, chunk):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_model_chunked_loss_with_bias_matches_unchunked(tie):
-    model = _model(head_bias="zero", tie_embeddings=tie)
+def test_model_chunked_loss_with_bias_matches_unchunked(tie, bias_recipe):
+    model = _model(router_recipe=bias_recipe, tie_embeddings=tie)
     model.head_bias[...] = _random_bias(model.cfg.vocab_size)
     batch = _batch(model.cfg.vocab_size)
     graphdef, params, extra = nnx.split(model, nnx.Param, ...)
-    chunked_def = nnx.split(_model(head_bias="zero", tie_embeddings=tie, loss_chunk_tokens=10), nnx.Param, ...)[0]
+    chunked = _model(router_recipe=bias_recipe, tie_embeddings=tie, loss_chunk_tokens=10)
+    chunked_def = nnx.split(chunked, nnx.Param, ...)[0]
 
     def loss_and_grads(gdef):
         fn = lambda p: lm_loss(nnx.merge(gdef, p, extra), batch)[0]
@@ -322,10 +329,11 @@ def _is_out(path):
 
 
 @pytest.mark.parametrize("moe_path", ["ragged", "dense_cf"])
-def test_zero_init_blocks_start_as_identity_and_nothing_else_changes(moe_path):
+def test_zero_init_blocks_start_as_identity_and_nothing_else_changes(moe_path, monkeypatch):
     cfg = get_config("tiny", moe_path=moe_path, dtype="float32")
     plain = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
-    zero = DeepSeekModel(cfg.replace(zero_init_out_proj=True), rngs=nnx.Rngs(0))
+    zero = DeepSeekModel(cfg.replace(router_recipe=router_recipe_with(monkeypatch, zero_init_out_proj=True)),
+                         rngs=nnx.Rngs(0))
     plain_params, zero_params = _flat_params(plain), _flat_params(zero)
     assert plain_params.keys() == zero_params.keys()
     outs = [path for path in zero_params if _is_out(path)]
@@ -342,8 +350,9 @@ def test_zero_init_blocks_start_as_identity_and_nothing_else_changes(moe_path):
     np.testing.assert_allclose(zero(inputs).logits, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_training_moves_the_zero_projections():
-    cfg = get_config("tiny", moe_path="ragged", dtype="float32", zero_init_out_proj=True)
+def test_training_moves_the_zero_projections(monkeypatch):
+    cfg = get_config("tiny", moe_path="ragged", dtype="float32",
+                     router_recipe=router_recipe_with(monkeypatch, zero_init_out_proj=True))
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -359,8 +368,8 @@ def test_training_moves_the_zero_projections():
 def test_zero_init_out_proj_validation_and_presets():
     with pytest.raises(TypeError, match="ModelConfig.zero_init_out_proj expects bool, got 1"):
         get_config("tiny", zero_init_out_proj=1)
-    assert all(not get_config(name).zero_init_out_proj for name in ("tiny", "small", "deepseek_v3_671b"))
-    assert get_config("reduced").zero_init_out_proj  # the issue-13 routing recipe
+    assert all(not get_config(name).router.zero_init_out_proj for name in ("tiny", "small", "deepseek_v3_671b"))
+    assert get_config("reduced").router.zero_init_out_proj  # the "short_run" recipe
 
 
 # remat_policy "dots_experts_attention": under "dots_no_batch" the routed experts' grouped GEMMs (FFI calls, not
@@ -408,13 +417,13 @@ def test_policy_does_not_run_the_expert_gemms_again(expert_backward, rebuilt, mo
 
 
 @requires_turbo
-def test_policy_does_not_run_the_routing_again():
+def test_policy_does_not_run_the_routing_again(monkeypatch):
     """The routing's int32 results are saved too (the router's picks, the permute's row index, the group sizes):
     under "dots_experts_attention" the backward pass runs neither the permute nor the router's selection (here
     causal centering + the sequence load penalty's chunk walk) a second time, as with no remat at all."""
     def counts(policy, penalty):
-        cfg = micro_config(moe_path="turbo", remat_policy=policy, router_center_causal=True,
-                           router_seq_load_penalty=penalty, router_seq_load_chunk=4)
+        recipe = router_recipe_with(monkeypatch, center_causal=True, seq_load_penalty=penalty, seq_load_chunk=4)
+        cfg = micro_config(moe_path="turbo", remat_policy=policy, router_recipe=recipe)
         hlo = compiled_hlo(cfg)
         return (len(re.findall(r'custom_call_target="turbo_moe_permute"', hlo)), len(re.findall(r"compare\(", hlo)))
 

@@ -1,5 +1,6 @@
-"""Group-limited sigmoid router vs a direct numpy implementation; balance loss; bias update; the router recipe's
-fields; causal sequence centering of the selection (`router_center_causal`); who picks the experts."""
+"""Group-limited sigmoid router vs a direct numpy implementation; balance loss; bias update; the router recipes
+(`ModelConfig.router_recipe`) and the old fields they replaced; causal sequence centering of the selection
+(`RouterRecipe.center_causal`); who picks the experts."""
 from __future__ import annotations
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model.conftest import requires_turbo
+from tests.model.conftest import requires_turbo, router_recipe_with
 from turbo_moe.model import DeepSeekModel, get_config, lm_loss
 from turbo_moe.model import router as router_module
 from turbo_moe.model.router import (Router, bias_rate_at, causal_centered_selection, route, sequence_balance_loss,
@@ -136,11 +137,11 @@ def test_proportional_update_undoes_a_large_level_gap_in_a_few_steps():
     assert ratio_after("proportional") < 2.0
 
 
-def test_router_lr_scale_keeps_the_gate_and_scales_its_adam_steps():
+def test_router_lr_scale_keeps_the_gate_and_scales_its_adam_steps(monkeypatch):
     import optax
 
     cfg = get_config("tiny", init_std=0.02)
-    slow = cfg.replace(router_lr_scale=0.1)
+    slow = cfg.replace(router_recipe=router_recipe_with(monkeypatch, lr_scale=0.1))
     a, b = Router(cfg, nnx.Rngs(0)), Router(slow, nnx.Rngs(0))
     np.testing.assert_allclose(a.gate(), b.gate(), rtol=1e-6)  # same effective init
     x = jax.random.normal(jax.random.key(1), (16, cfg.d_model))
@@ -156,18 +157,79 @@ def test_router_lr_scale_keeps_the_gate_and_scales_its_adam_steps():
     np.testing.assert_allclose(moved, [1e-3, 1e-4], rtol=1e-3)
 
 
-@pytest.mark.parametrize("field, value", [("router_lr_scale", 0.0), ("router_bias_update", "signum")])
-def test_router_recipe_fields_are_validated(field, value):
-    with pytest.raises(ValueError, match=field):
-        get_config("tiny", **{field: value})
+def test_the_recipes_and_the_presets():
+    short_run = get_config("reduced").router
+    assert get_config("reduced").router_recipe == "short_run"
+    assert (short_run.head_bias, short_run.zero_init_out_proj, short_run.lr_scale, short_run.bias_update,
+            short_run.center_causal, short_run.seq_load_penalty, short_run.seq_load_chunk) == (
+        "unigram", True, 0.1, "proportional", True, 0.1, 128)
+    for name in ("tiny", "small", "deepseek_v3_671b"):
+        own = get_config(name).router
+        assert get_config(name).router_recipe == "deepseek_v3"
+        assert (own.head_bias, own.zero_init_out_proj, own.lr_scale, own.bias_update, own.center_causal,
+                own.seq_load_penalty) == ("none", False, 1.0, "sign", False, 0.0)
+    with pytest.raises(ValueError, match=r"ModelConfig\.router_recipe: got 'balanced'; expected one of "
+                                         r"\('deepseek_v3', 'short_run'\)"):
+        get_config("tiny", router_recipe="balanced")
 
 
-# ------------------------------------------------------------------ router_center_causal: top-k reads each token's
+# Every one of the seven fields the recipe replaced, at short_run's value, as an old record or spec holds them.
+OLD_SHORT_RUN = dict(head_bias="unigram", zero_init_out_proj=True, router_lr_scale=0.1,
+                     router_bias_update="proportional", router_center_causal=True, router_seq_load_penalty=0.1,
+                     router_seq_load_chunk=128)
+OLD_DEEPSEEK = dict(head_bias="none", zero_init_out_proj=False, router_lr_scale=1.0, router_bias_update="sign",
+                    router_center_causal=False, router_seq_load_penalty=0.0, router_seq_load_chunk=128)
+
+
+def test_old_router_fields_name_the_recipe_they_equal():
+    from turbo_moe.model import ModelConfig
+
+    reduced = get_config("reduced").to_dict()
+    old = {k: v for k, v in reduced.items() if k != "router_recipe"}
+    assert ModelConfig.from_dict({**old, **OLD_SHORT_RUN}) == get_config("reduced")
+    assert ModelConfig.from_record({**old, **OLD_SHORT_RUN}) == get_config("reduced")
+    assert ModelConfig.from_dict({**old, **OLD_DEEPSEEK}).router_recipe == "deepseek_v3"
+    # as YAML or --set gives them (strings), one at a time over a preset, and with the recipe named too
+    strings = {k: str(v) for k, v in OLD_SHORT_RUN.items()}
+    assert ModelConfig.from_dict({**old, **strings}).router_recipe == "short_run"
+    assert get_config("reduced", router_lr_scale=0.1).router_recipe == "short_run"
+    assert get_config("tiny", router_recipe="short_run", head_bias="unigram").router_recipe == "short_run"
+    assert get_config("tiny", **OLD_SHORT_RUN).router_recipe == "short_run"
+    assert get_config("reduced").replace(**OLD_DEEPSEEK).router_recipe == "deepseek_v3"
+    assert ModelConfig.from_yaml("preset: tiny\nhead_bias: unigram\nzero_init_out_proj: true\nrouter_lr_scale: 0.1\n"
+                                 "router_bias_update: proportional\nrouter_center_causal: true\n"
+                                 "router_seq_load_penalty: 0.1\n") == get_config("tiny", router_recipe="short_run")
+
+
+@pytest.mark.parametrize("changed", [dict(router_center_causal=True), dict(head_bias="zero"),
+                                     dict(router_lr_scale=0.1, router_bias_update="proportional")])
+def test_other_old_router_combinations_are_refused_naming_the_fields_and_the_recipes(changed):
+    from turbo_moe.model import ModelConfig
+
+    fields = sorted(changed)
+    pattern = (r"ModelConfig fields " + repr(fields).replace("[", r"\[").replace("]", r"\]")
+               + r" were replaced by router_recipe.*on top of router_recipe 'deepseek_v3'.*the recipes are "
+                 r"deepseek_v3: head_bias='none'.*; short_run: head_bias='unigram'")
+    with pytest.raises(ValueError, match=pattern):
+        get_config("tiny", **changed)
+    # History is still read: the routing studies' records hold such combinations (that run ran with them, and its
+    # record keeps the fields), read on top of the recipe they changed
+    record = {k: v for k, v in get_config("tiny").to_dict().items() if k != "router_recipe"}
+    assert ModelConfig.from_record({**record, **changed}) == get_config("tiny")
+
+
+# ------------------------------------------------------------------ center_causal: top-k reads each token's
 # gate logits minus the running mean of its own sequence so far; combine weights, gradients and the default unchanged
 
 def _router(**overrides):
     cfg = get_config("tiny", **overrides)
     return cfg, Router(cfg, nnx.Rngs(0))
+
+
+@pytest.fixture
+def centered(monkeypatch):
+    """A recipe with causal centering alone."""
+    return router_recipe_with(monkeypatch, center_causal=True)
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])
@@ -176,8 +238,8 @@ def test_center_causal_bad_value_names_the_field(value):
         get_config("tiny", router_center_causal=value)
 
 
-def test_selection_is_the_logits_minus_their_causal_mean():
-    cfg, router = _router(router_center_causal=True)
+def test_selection_is_the_logits_minus_their_causal_mean(centered):
+    cfg, router = _router(router_recipe=centered)
     x = jax.random.normal(jax.random.key(1), (3, 16, cfg.d_model))
     logits = np.asarray(x, np.float64) @ np.asarray(router.gate(), np.float64)  # (B, S, E)
     mean = np.cumsum(logits, axis=1) / np.arange(1, 17)[None, :, None]
@@ -191,8 +253,8 @@ def test_selection_is_the_logits_minus_their_causal_mean():
     np.testing.assert_allclose(np.asarray(out.weights), np.asarray(ref.weights), rtol=1e-6)
 
 
-def test_a_vector_shared_by_every_token_does_not_move_the_choice():
-    cfg, router = _router(router_center_causal=True)
+def test_a_vector_shared_by_every_token_does_not_move_the_choice(centered):
+    cfg, router = _router(router_recipe=centered)
     x = jax.random.normal(jax.random.key(2), (2, 32, cfg.d_model))
     shared = 5.0 * jax.random.normal(jax.random.key(3), (2, 1, cfg.d_model))  # one per sequence, large
     plain = np.asarray(router(x).expert_ids)
@@ -203,8 +265,8 @@ def test_a_vector_shared_by_every_token_does_not_move_the_choice():
         "without centering the shared vector must change some choice (else this test shows nothing)"
 
 
-def test_causal_a_later_token_never_changes_an_earlier_choice():
-    cfg, router = _router(router_center_causal=True)
+def test_causal_a_later_token_never_changes_an_earlier_choice(centered):
+    cfg, router = _router(router_recipe=centered)
     x = jax.random.normal(jax.random.key(4), (1, 24, cfg.d_model))
     y = x.at[:, 12:].set(jax.random.normal(jax.random.key(5), (1, 12, cfg.d_model)))
     a, b = np.asarray(router(x).expert_ids), np.asarray(router(y).expert_ids)
@@ -212,15 +274,15 @@ def test_causal_a_later_token_never_changes_an_earlier_choice():
     assert (a[:, 12:] != b[:, 12:]).any()
 
 
-def test_center_causal_needs_a_sequence_axis():
-    cfg, router = _router(router_center_causal=True)
-    with pytest.raises(ValueError, match="router_center_causal needs"):
+def test_center_causal_needs_a_sequence_axis(centered):
+    cfg, router = _router(router_recipe=centered)
+    with pytest.raises(ValueError, match="causal centering needs the router input as"):
         router(jnp.ones((8, cfg.d_model)))
 
 
-def test_the_model_with_center_causal_has_finite_nonzero_gradients():
+def test_the_model_with_center_causal_has_finite_nonzero_gradients(centered):
     """The whole model traces and differentiates with the (stop-gradient) centered choice."""
-    cfg = get_config("tiny", router_center_causal=True, n_layers=2, mtp_depth=0, moe_path="ragged")  # one MoE layer
+    cfg = get_config("tiny", router_recipe=centered, n_layers=2, mtp_depth=0, moe_path="ragged")  # one MoE layer
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(6), (2, 17), 0, cfg.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 16), jnp.float32)}
@@ -231,9 +293,9 @@ def test_the_model_with_center_causal_has_finite_nonzero_gradients():
 
 
 def test_center_causal_presets():
-    assert get_config("reduced").router_center_causal  # the issue-13 routing recipe (NOTES part 8)
-    assert not get_config("deepseek_v3_671b").router_center_causal  # DeepSeek-V3's published router
-    assert not get_config("tiny").router_center_causal
+    assert get_config("reduced").router.center_causal  # the "short_run" recipe
+    assert not get_config("deepseek_v3_671b").router.center_causal  # DeepSeek-V3's published router
+    assert not get_config("tiny").router.center_causal
 
 
 # ------------------------------------------------------------------ who picks the experts

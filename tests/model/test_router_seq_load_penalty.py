@@ -1,6 +1,6 @@
-"""ModelConfig.router_seq_load_penalty (issue 13, part 10): a sequence runs through top-k chunk by chunk, and a
-token's selection is lowered on the experts that the earlier chunks of its sequence over-used; causal,
-stop-gradient, off by default."""
+"""The router recipe's sequence load penalty (`RouterRecipe.seq_load_penalty`, on in "short_run"): a sequence runs
+through top-k chunk by chunk, and a token's selection is lowered on the experts that the earlier chunks of its
+sequence over-used; causal, stop-gradient, off in DeepSeek-V3's recipe."""
 from __future__ import annotations
 
 import jax
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model.conftest import requires_turbo
+from tests.model.conftest import requires_turbo, router_recipe_with
 from turbo_moe.model import DeepSeekModel, get_config, lm_loss
 from turbo_moe.model.router import SEQ_LOAD_PRIOR_TOKENS, Router, route, seq_load_penalized_selection
 
@@ -19,25 +19,27 @@ def _router(**overrides):
     return cfg, Router(cfg, nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("field, value", [("router_seq_load_penalty", -0.1), ("router_seq_load_penalty", float("nan")),
-                                          ("router_seq_load_penalty", True), ("router_seq_load_chunk", 0),
-                                          ("router_seq_load_chunk", 2.5)])
-def test_bad_value_names_the_field(field, value):
-    with pytest.raises((ValueError, TypeError), match=rf"ModelConfig\.{field}"):
-        get_config("tiny", **{field: value})
+def test_old_penalty_fields_name_their_recipe_or_are_refused():
+    assert get_config("reduced", router_seq_load_penalty=0.1, router_seq_load_chunk=128).router_recipe == "short_run"
+    assert get_config("tiny", router_seq_load_penalty=0.0, router_seq_load_chunk=64).router_recipe == "deepseek_v3"
+    with pytest.raises(ValueError, match=r"\['router_seq_load_chunk'\] were replaced by router_recipe.*"
+                                         r"short_run: .*router_seq_load_chunk=128"):
+        get_config("reduced", router_seq_load_chunk=64)
+    with pytest.raises(TypeError, match=r"ModelConfig\.router_seq_load_chunk expects int, got 2\.5"):
+        get_config("tiny", router_seq_load_chunk=2.5)
 
 
-def test_too_many_chunks_is_refused_naming_the_chunk():
-    with pytest.raises(ValueError, match=r"ModelConfig\.router_seq_load_chunk: 2 makes 1024 chunks.*chunk >= 32"):
-        get_config("reduced", router_seq_load_chunk=2)
-    get_config("reduced", router_seq_load_chunk=2, router_seq_load_penalty=0.0)  # off: no loop, no limit
+def test_too_many_chunks_is_refused_naming_the_length():
+    with pytest.raises(ValueError, match=r"ModelConfig\.max_seq_len: router_recipe 'short_run'.*8320 tokens make 65 "
+                                         r"chunks, at most 64 \(max_seq_len <= 8192\)"):
+        get_config("reduced", max_seq_len=8320)
+    get_config("reduced", max_seq_len=8320, router_recipe="deepseek_v3")  # off: no loop, no limit
 
 
 @pytest.mark.parametrize("chunk", [16, 7, 64])  # 40 tokens: padded last chunk, odd chunk, one chunk
 def test_penalty_matches_a_float64_reference(chunk):
     # One group: the top-k of each chunk is a plain top-k, which numpy's argsort reproduces.
-    cfg = get_config("tiny", n_experts=12, top_k=3, n_groups=1, topk_groups=1, router_seq_load_penalty=0.07,
-                     router_seq_load_chunk=chunk)
+    cfg = get_config("tiny", n_experts=12, top_k=3, n_groups=1, topk_groups=1)
     rng = np.random.default_rng(0)
     seq = 40
     sel = rng.uniform(0.2, 0.8, (2, seq, 12))
@@ -54,34 +56,36 @@ def test_penalty_matches_a_float64_reference(chunk):
             for row in part:
                 counts[np.argsort(-(row + bias), kind="stable")[:3]] += 1
             seen += len(part)
-    got = seq_load_penalized_selection(jnp.asarray(sel, jnp.float32), jnp.asarray(bias, jnp.float32), cfg)
+    got = seq_load_penalized_selection(jnp.asarray(sel, jnp.float32), jnp.asarray(bias, jnp.float32), cfg, 0.07,
+                                       chunk)
     np.testing.assert_allclose(np.asarray(got), expect, atol=1e-6)
     if chunk < seq:
         assert np.abs(expect - sel).max() > 0.02  # the penalty bit on sequence 1 (else the test shows nothing)
 
 
 def test_off_by_default_and_zero_changes_nothing():
-    assert get_config("tiny").router_seq_load_penalty == 0.0
+    assert get_config("tiny").router.seq_load_penalty == 0.0
     cfg, router = _router()
     x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
     ref = route(jax.nn.sigmoid(x @ router.gate()), router.bias[...], cfg)
     np.testing.assert_array_equal(np.asarray(router(x).expert_ids), np.asarray(ref.expert_ids))
 
 
-def test_it_spreads_a_sequence_that_prefers_the_same_experts():
+def test_it_spreads_a_sequence_that_prefers_the_same_experts(monkeypatch):
     """Every token alike (a repeated line): without the penalty all take the same k experts; with it the later
     chunks move to other experts and the busiest one carries far less; combine weights stay the picked scores."""
     cfg, router = _router(n_groups=1, topk_groups=1)
     tok = jax.random.normal(jax.random.key(2), (1, 1, cfg.d_model))
-    x = jnp.broadcast_to(tok, (1, 256, cfg.d_model)) + 1e-3 * jax.random.normal(jax.random.key(3), (1, 256, cfg.d_model))
+    noise = jax.random.normal(jax.random.key(3), (1, 256, cfg.d_model))
+    x = jnp.broadcast_to(tok, (1, 256, cfg.d_model)) + 1e-3 * noise
 
     def max_over_mean(ids):
         load = np.bincount(np.asarray(ids).ravel(), minlength=cfg.n_experts)
         return load.max() / load.mean()
 
     plain = max_over_mean(router(x).expert_ids)
-    cfg_p, router_p = _router(n_groups=1, topk_groups=1, router_seq_load_penalty=0.5,
-                                router_seq_load_chunk=16)
+    cfg_p, router_p = _router(n_groups=1, topk_groups=1, router_recipe=router_recipe_with(
+        monkeypatch, seq_load_penalty=0.5, seq_load_chunk=16))
     out = router_p(x)
     assert plain == pytest.approx(cfg.n_experts / cfg.top_k)  # all on the same k experts
     assert max_over_mean(out.expert_ids) < 0.6 * plain
@@ -92,8 +96,9 @@ def test_it_spreads_a_sequence_that_prefers_the_same_experts():
                                rtol=1e-6)
 
 
-def test_causal_a_later_token_never_changes_an_earlier_choice():
-    cfg, router = _router(router_seq_load_penalty=0.3, router_seq_load_chunk=4, router_center_causal=True)
+def test_causal_a_later_token_never_changes_an_earlier_choice(monkeypatch):
+    cfg, router = _router(router_recipe=router_recipe_with(monkeypatch, seq_load_penalty=0.3, seq_load_chunk=4,
+                                                           center_causal=True))
     x = jax.random.normal(jax.random.key(4), (1, 24, cfg.d_model))
     # From token 13 on (mid-chunk: tokens 12-15 are one chunk) the input changes: no earlier choice may move,
     # token 12 included, although its chunk holds changed tokens.
@@ -103,15 +108,15 @@ def test_causal_a_later_token_never_changes_an_earlier_choice():
     assert (a[:, 13:] != b[:, 13:]).any()
 
 
-def test_needs_a_sequence_axis():
-    cfg, router = _router(router_seq_load_penalty=0.1)
-    with pytest.raises(ValueError, match="router_seq_load_penalty needs"):
+def test_needs_a_sequence_axis(monkeypatch):
+    cfg, router = _router(router_recipe=router_recipe_with(monkeypatch, seq_load_penalty=0.1))
+    with pytest.raises(ValueError, match="sequence load penalty needs the router input as"):
         router(jnp.ones((8, cfg.d_model)))
 
 
-def test_the_model_with_it_has_finite_nonzero_gradients():
-    cfg = get_config("tiny", router_seq_load_penalty=0.1, router_center_causal=True, n_layers=2, mtp_depth=0,
-                     moe_path="ragged")
+def test_the_model_with_it_has_finite_nonzero_gradients(monkeypatch):
+    recipe = router_recipe_with(monkeypatch, seq_load_penalty=0.1, seq_load_chunk=4, center_causal=True)
+    cfg = get_config("tiny", router_recipe=recipe, n_layers=2, mtp_depth=0, moe_path="ragged")
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(6), (2, 17), 0, cfg.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 16), jnp.float32)}
@@ -121,14 +126,15 @@ def test_the_model_with_it_has_finite_nonzero_gradients():
     assert any(np.abs(np.asarray(g)).max() > 0 for g in leaves)
 
 
-def test_the_backward_pass_does_not_run_the_penalty_again():
+def test_the_backward_pass_does_not_run_the_penalty_again(monkeypatch):
     """Under remat "dots_no_batch" the compiled step holds the penalty's chunk loop once, as without remat ("full",
     which recomputes the whole block, twice): counted as the compare ops the penalty adds to the program."""
     import re
 
     def compares(policy, penalty):
+        recipe = router_recipe_with(monkeypatch, seq_load_penalty=penalty, seq_load_chunk=4)
         cfg = get_config("tiny", n_layers=2, max_seq_len=16, moe_path="dense_cf", remat_policy=policy,
-                         router_seq_load_penalty=penalty, router_seq_load_chunk=4)
+                         router_recipe=recipe)
         graphdef, state = nnx.split(DeepSeekModel(cfg, rngs=nnx.Rngs(0)))
         tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -154,9 +160,9 @@ def test_the_sort_free_mask_picks_what_top_k_picks(experts, k, groups, top_group
 
 
 def test_presets():
-    assert get_config("reduced").router_seq_load_penalty == 0.1  # the issue-13 routing recipe (NOTES part 10)
-    assert get_config("deepseek_v3_671b").router_seq_load_penalty == 0.0  # DeepSeek-V3's published router
-    assert get_config("tiny").router_seq_load_penalty == 0.0
+    assert get_config("reduced").router.seq_load_penalty == 0.1  # the "short_run" recipe
+    assert get_config("deepseek_v3_671b").router.seq_load_penalty == 0.0  # DeepSeek-V3's published router
+    assert get_config("tiny").router.seq_load_penalty == 0.0
 
 
 @requires_turbo
@@ -168,8 +174,8 @@ def test_the_kernel_gives_the_xla_loss_and_gradients(penalty, causal, monkeypatc
 
     def loss_and_grads(kernel):
         monkeypatch.setattr(router_module, "topk_kernel_here", lambda: kernel)
-        cfg = get_config("tiny", router_seq_load_penalty=penalty, router_seq_load_chunk=4, router_center_causal=causal,
-                         n_layers=2, moe_path="ragged")
+        recipe = router_recipe_with(monkeypatch, seq_load_penalty=penalty, seq_load_chunk=4, center_causal=causal)
+        cfg = get_config("tiny", router_recipe=recipe, n_layers=2, moe_path="ragged")
         model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(7), (2, 25), 0, cfg.vocab_size)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((2, 24), jnp.float32)}

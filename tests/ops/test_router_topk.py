@@ -104,12 +104,11 @@ def test_matches_the_model_xla_path(shape, penalty, chunk):
     """Bit-for-bit the same float32 steps as XLA:CPU's program: equal picks, in order, near-ties included."""
     E, k, G, tg = SHAPES[shape]
     sel, bias = inputs(E + chunk, 3, 160, E, skew=shape == "reduced")
-    cfg = get_config("tiny", n_experts=E, top_k=k, n_groups=G, topk_groups=tg, router_seq_load_penalty=penalty,
-                     router_seq_load_chunk=chunk, max_seq_len=160)
+    cfg = get_config("tiny", n_experts=E, top_k=k, n_groups=G, topk_groups=tg, max_seq_len=160)
 
     @jax.jit
     def xla(sel, bias):
-        select = seq_load_penalized_selection(sel, bias, cfg) if penalty > 0 else sel
+        select = seq_load_penalized_selection(sel, bias, cfg, penalty, chunk) if penalty > 0 else sel
         return group_limited_topk(select, bias, top_k=k, n_groups=G, topk_groups=tg)
 
     got = router_topk(sel, bias, top_k=k, n_groups=G, topk_groups=tg, penalty=penalty, chunk=chunk)

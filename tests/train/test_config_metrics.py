@@ -78,6 +78,21 @@ def test_removed_field_accepted_at_its_kept_value_only(name):
         TrainConfig(**{name: kept})
 
 
+def test_old_nu_rounding_loads_where_it_names_what_runs():
+    """adam_nu_rounding (removed: a bfloat16 nu is rounded stochastically): an older resolved record's "nearest" for a
+    float32 nu, or "stochastic", loads; "nearest" for a bfloat16 nu is refused."""
+    base = {"model": "tiny", "steps": 5, "warmup_steps": 1}
+    for nu, rounding in ((None, "nearest"), ("float32", "nearest"), ("bfloat16", "stochastic"), ("auto", "auto")):
+        assert TrainConfig.from_dict({**base, "adam_nu_dtype": nu, "adam_nu_rounding": rounding}) == \
+            TrainConfig.from_dict({**base, "adam_nu_dtype": nu})
+    for nu in ("bfloat16", "auto"):
+        with pytest.raises(ValueError, match=r"TrainConfig field 'adam_nu_rounding' was removed \(a bfloat16 nu is "
+                                             r"always rounded stochastically.*got 'nearest'"):
+            TrainConfig.from_dict({**base, "adam_nu_dtype": nu, "adam_nu_rounding": "nearest"})
+    old = {**base, "adam_nu_dtype": "bfloat16", "adam_nu_rounding": "nearest"}
+    assert TrainConfig.from_record(old) == TrainConfig.from_dict({**base, "adam_nu_dtype": "bfloat16"})
+
+
 def test_from_record_reads_an_older_runs_config_with_removed_fields():
     """A record written before fields were removed loads for reading history, whatever values it held."""
     old = {"model": "tiny", "steps": 5, "warmup_steps": 1, "xla_gpu_autotune_level": 0,
@@ -90,6 +105,23 @@ def test_from_record_reads_an_older_runs_config_with_removed_fields():
         TrainConfig.from_dict(old)
 
 
+def test_old_router_fields_in_a_train_config():
+    """The router fields router_recipe replaced, in a run spec's model_overrides: a recipe's values (over the preset's
+    recipe) name it; other values are refused to run and read as the preset's recipe from a record."""
+    reduced = TrainConfig(model="reduced", model_overrides={"router_lr_scale": 0.1})
+    assert reduced.model_config() == get_config("reduced")
+    assert TrainConfig(model="reduced", model_overrides={"router_lr_scale": 1.0, "head_bias": "none",
+                                                         "zero_init_out_proj": False, "router_bias_update": "sign",
+                                                         "router_center_causal": False,
+                                                         "router_seq_load_penalty": 0.0}
+                       ).model_config().router_recipe == "deepseek_v3"
+    old = {"model": "reduced", "steps": 5, "warmup_steps": 1, "model_overrides": {"router_center_causal": False}}
+    with pytest.raises(ValueError, match=r"\['router_center_causal'\] were replaced by router_recipe.*"
+                                         r"on top of router_recipe 'short_run'"):
+        TrainConfig.from_dict(old)
+    assert TrainConfig.from_record(old).model_config() == get_config("reduced")
+
+
 def test_removed_model_fields_in_a_train_config():
     """A run spec's model part takes the same rule (ModelConfig.from_dict), as overrides or as a whole model dict."""
     model = {**get_config("tiny").to_dict(), "cast_params_before_scan": True, "expert_backward": "block"}
@@ -99,24 +131,23 @@ def test_removed_model_fields_in_a_train_config():
         TrainConfig(model="tiny", model_overrides={"expert_backward": "autodiff"})
 
 
-AUTO_FIELDS = ("master_weights", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding")
+AUTO_FIELDS = ("master_weights", "adam_mu_dtype", "adam_nu_dtype")
 
 
 def test_auto_fields_resolve_per_platform():
     tc = TrainConfig(model="tiny", steps=5, warmup_steps=1)
-    assert tuple(getattr(tc, f) for f in AUTO_FIELDS) == ("auto",) * 4
+    assert tuple(getattr(tc, f) for f in AUTO_FIELDS) == ("auto",) * 3
     cpu, gpu = tc.resolved("cpu"), tc.resolved("gpu")
-    assert tuple(getattr(cpu, f) for f in AUTO_FIELDS) == ("float32", None, None, "nearest")
-    assert tuple(getattr(gpu, f) for f in AUTO_FIELDS) == ("split", "bfloat16", "bfloat16", "stochastic")
+    assert tuple(getattr(cpu, f) for f in AUTO_FIELDS) == ("float32", None, None)
+    assert tuple(getattr(gpu, f) for f in AUTO_FIELDS) == ("split", "bfloat16", "bfloat16")
     for resolved in (cpu, gpu):
         assert dataclasses.replace(resolved, **{f: "auto" for f in AUTO_FIELDS}) == tc  # nothing else changes
         assert resolved.resolved("gpu") == resolved.resolved("cpu") == resolved  # nothing left to resolve
     assert tc.resolved() == cpu  # JAX's backend: the CPU here
     # explicit choices stay; split masters need a bf16 model with float32 params
     explicit = tc.replace(master_weights="float32", adam_mu_dtype="float32", adam_nu_dtype=None)
-    assert explicit.resolved("gpu") == explicit.replace(adam_nu_rounding="nearest")
+    assert explicit.resolved("gpu") == explicit
     assert tc.replace(model_overrides={"dtype": "float32"}).resolved("gpu").master_weights == "float32"
-    assert tc.replace(adam_nu_dtype="bfloat16").resolved("cpu").adam_nu_rounding == "stochastic"
 
 
 def test_device_choices_say_what_the_defaults_run():

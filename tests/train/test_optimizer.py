@@ -16,7 +16,6 @@ import pytest
 from turbo_moe.model import get_config
 from turbo_moe.train import TrainConfig
 from turbo_moe.train.checkpoint import Checkpointer, check_resume_config
-from turbo_moe.train.low_precision_adam import with_adam_nu_dtype
 from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
 
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -61,8 +60,7 @@ def _updates(tc: TrainConfig, params, grads) -> tuple[list, list]:
 # warm-up 0 so the first update moves the parameters; no clipping so the gradients are the ones given. make_optimizer
 # resolves "auto" for the device (tests/train runs on the CPU): the moments left "auto" are float32, the reference.
 HAND = dict(warmup_steps=0, steps=50, learning_rate=1e-2, grad_clip=0.0)
-# A bf16 nu stored by rounding to nearest (DeepSeek-V3's description; "auto" rounding for a bf16 nu is stochastic)
-NEAREST_BF16_NU = dict(adam_nu_dtype="bfloat16", adam_nu_rounding="nearest")
+BF16_NU = dict(adam_nu_dtype="bfloat16")  # stored stochastically rounded
 
 
 @pytest.mark.parametrize("value", ["float16", "bf16", 16, jnp.bfloat16])
@@ -72,23 +70,10 @@ def test_nu_bad_value_names_the_field(value):
 
 
 @pytest.mark.parametrize("b2", [0.999, 0.9999, 1 - 2**-9, 1.0])
-def test_bf16_nu_refuses_b2_too_close_to_one(b2):
-    with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_dtype: 'bfloat16' needs adam_b2 <= 1 - 2\*\*-8 "
-                                         r"\(~0\.9961\), got adam_b2=.*8 significant bits.*stops shrinking"):
-        TrainConfig(**NEAREST_BF16_NU, adam_b2=b2)
-    # an "auto" nu is bfloat16 on GPUs: a config is valid on every device, so the limit holds for it too
-    with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_dtype: 'bfloat16' needs adam_b2 <= 1 - 2\*\*-8"):
-        TrainConfig(adam_nu_rounding="nearest", adam_b2=b2)
-
-
-def test_b2_limit_applies_only_to_nearest_rounded_bf16_nu():
-    tc = TrainConfig(adam_b2=0.999)  # "auto" nu and rounding: bfloat16 stochastically rounded on GPUs, no limit
-    assert (tc.adam_nu_dtype, tc.adam_nu_rounding) == ("auto", "auto")
-    assert (tc.resolved("gpu").adam_nu_dtype, tc.resolved("gpu").adam_nu_rounding) == ("bfloat16", "stochastic")
-    assert TrainConfig(adam_b2=0.999, adam_nu_dtype="bfloat16").resolved("cpu").adam_nu_rounding == "stochastic"
-    assert TrainConfig(adam_b2=0.999, adam_nu_dtype="float32").adam_b2 == 0.999
-    assert TrainConfig(adam_b2=1 - 2**-8, **NEAREST_BF16_NU).adam_nu_dtype == "bfloat16"  # the limit itself
-    assert TrainConfig(**NEAREST_BF16_NU).adam_b2 == 0.95  # the default b2 (DeepSeek-V3's) is fine
+def test_bf16_nu_takes_any_b2(b2):
+    # stochastically rounded, a bf16 nu decays at any b2 (round-to-nearest froze it above 1 - 2**-8)
+    assert TrainConfig(adam_nu_dtype="bfloat16", adam_b2=b2).adam_b2 == b2
+    assert TrainConfig(adam_b2=b2).resolved("gpu").adam_nu_dtype == "bfloat16"
 
 
 def test_nu_round_trip_cache_and_resume_check():
@@ -122,20 +107,23 @@ def test_state_keeps_nu_in_bf16_and_mu_as_asked(mu_dtype):
 def test_first_update_is_the_float32_one_and_the_next_within_nu_rounding():
     """Optax computes each update from the new, unrounded nu; only the stored copy is rounded. So the first update
     (from nu = 0) is the float32-nu one exactly, and the second differs by the rounding of the stored
-    nu_1 = (1 - b2) g^2: bf16's 8 significant bits round within 2^-8 relative, so the update (~ nu^-1/2) within 2^-9."""
+    nu_1 = (1 - b2) g^2: stochastic rounding to bf16's 8 significant bits picks a neighbour within 2^-7 relative, so
+    the update (~ nu^-1/2) is within 2^-8."""
     params, grads = _hand_params_and_grads(2)
     hand = {**HAND, "weight_decay": 0.0}  # the Adam term alone: decay could cancel part of it and inflate ratios
     ref, ref_states = _updates(TrainConfig(**hand), params, grads)
-    low, low_states = _updates(TrainConfig(**NEAREST_BF16_NU, **hand), params, grads)
+    low, low_states = _updates(TrainConfig(**BF16_NU, **hand), params, grads)
     for a, b in zip(jax.tree.leaves(ref[0]), jax.tree.leaves(low[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the stored second moment is (1 - b2) g^2 rounded to bf16
     nus = zip(jax.tree.leaves(_adam_state(ref_states[0]).nu), jax.tree.leaves(_adam_state(low_states[0]).nu))
     for nu32, nu16 in nus:
-        np.testing.assert_array_equal(np.asarray(nu32.astype(jnp.bfloat16)), np.asarray(nu16))
-        assert float(jnp.max(jnp.abs(nu16.astype(jnp.float32) / nu32 - 1))) <= 2**-8
+        down = jnp.nextafter(nu32.astype(jnp.bfloat16), jnp.bfloat16(0))  # bf16 neighbours of each float32 value
+        near = nu32.astype(jnp.bfloat16)
+        assert bool(jnp.all((nu16 == near) | (nu16 == down) | (nu16 == jnp.nextafter(near, jnp.bfloat16(jnp.inf)))))
+        assert float(jnp.max(jnp.abs(nu16.astype(jnp.float32) / nu32 - 1))) <= 2**-7
     rel = [float(jnp.max(jnp.abs(b / a - 1))) for a, b in zip(jax.tree.leaves(ref[1]), jax.tree.leaves(low[1]))]
-    assert max(rel) <= 2**-9 * 1.05, rel
+    assert max(rel) <= 2**-8 * 1.05, rel
     assert max(rel) > 0  # the rounding is really there
 
 
@@ -143,25 +131,26 @@ def test_updates_track_float32_over_many_steps():
     params, grads = _hand_params_and_grads(30)
     hand = {**HAND, "weight_decay": 0.0}  # the Adam term alone, so element-wise ratios are meaningful
     ref, _ = _updates(TrainConfig(adam_mu_dtype="bfloat16", **hand), params, grads)
-    low, _ = _updates(TrainConfig(adam_mu_dtype="bfloat16", **NEAREST_BF16_NU, **hand), params, grads)
+    low, _ = _updates(TrainConfig(adam_mu_dtype="bfloat16", **BF16_NU, **hand), params, grads)
     rel = np.concatenate([np.abs(np.asarray(b / a - 1)).ravel()
                           for r, l in zip(ref, low) for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(l))])
-    # each stored nu is rounded within 2^-8 and the errors decay at b2: measured median ~0.1%, p99 ~0.5%, max ~1%
+    # each stored nu is rounded within 2^-7 (unbiased) and the errors decay at b2: measured median ~0.14%, p99 ~0.8%,
+    # max ~1.5%
     assert 0 < np.median(rel) < 2**-9 and np.percentile(rel, 99) < 0.01 and rel.max() < 0.025, \
         (np.median(rel), np.percentile(rel, 99), rel.max())
-    # with weight decay, every step's update in norm (measured: within ~0.2%)
+    # with weight decay, every step's update in norm (measured: within ~0.3%)
     ref, _ = _updates(TrainConfig(**HAND), params, grads)
-    low, _ = _updates(TrainConfig(**NEAREST_BF16_NU, **HAND), params, grads)
+    low, _ = _updates(TrainConfig(**BF16_NU, **HAND), params, grads)
     for r, l in zip(ref, low):
         diff = optax.tree.norm(jax.tree.map(jnp.subtract, r, l))
         assert float(diff) < 0.005 * float(optax.tree.norm(r))
 
 
-def test_bf16_nu_decays_with_b2_095_and_would_freeze_at_0999():
+def test_bf16_nu_decays_with_b2_095():
     params = {"w": jnp.zeros((4, 8)), "b": jnp.zeros((8,))}
     big = jax.tree.map(lambda p: jnp.full_like(p, 100.0), params)
     zero = jax.tree.map(jnp.zeros_like, params)
-    tx = make_optimizer(TrainConfig(**NEAREST_BF16_NU, adam_b2=0.95, **HAND))
+    tx = make_optimizer(TrainConfig(**BF16_NU, adam_b2=0.95, **HAND))
     state = tx.init(params)
     _, state = tx.update(big, state, params)
     first = float(_adam_state(state).nu["w"][0, 0])
@@ -174,24 +163,6 @@ def test_bf16_nu_decays_with_b2_095_and_would_freeze_at_0999():
         history.append(float(nu["w"][0, 0]))
     assert all(b < a for a, b in zip(history, history[1:])), history  # shrinks every step
     assert history[-1] == pytest.approx(first * 0.95**20, rel=0.05)  # at b2's rate (each step rounded)
-
-    # Why the validation: with b2 = 0.999 the decay b2 * nu rounds back to nu in bf16 (the wrapper itself, as the
-    # config refuses this), while the float32 moment does decay.
-    frozen = with_adam_nu_dtype(optax.adam(1e-3, b2=0.999), "bfloat16")
-    state = frozen.init(params)
-    _, state = frozen.update(big, state, params)
-    stuck = _adam_state(state).nu
-    for _ in range(20):
-        _, state = frozen.update(zero, state, params)
-    for a, b in zip(jax.tree.leaves(stuck), jax.tree.leaves(_adam_state(state).nu)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    free = optax.adam(1e-3, b2=0.999)
-    state = free.init(params)
-    _, state = free.update(big, state, params)
-    before = float(_adam_state(state).nu["w"][0, 0])
-    for _ in range(20):
-        _, state = free.update(zero, state, params)
-    assert float(_adam_state(state).nu["w"][0, 0]) < before
 
 
 def test_float32_params_with_float32_nu_is_the_plain_optimizer():
@@ -225,36 +196,22 @@ def test_stochastic_rounding_is_unbiased_and_exact_where_it_can_be():
 
 def test_stochastic_nu_tracks_float32_where_nearest_runs_low():
     """A large gradient, then small ones: near its new level each step moves nu by less than half a bf16 ulp, so
-    round-to-nearest leaves it where it is (stuck off the float32 moment); stochastic rounding follows on average."""
+    round-to-nearest would leave it where it is (stuck more than 5% off the float32 moment); the stochastically
+    rounded bf16 nu follows on average."""
     params = {"w": jnp.zeros((64, 64))}
     grads = [{"w": jnp.full((64, 64), 10.0)}] + [{"w": jnp.full((64, 64), 1.2)}] * 150
     final = {}
-    for name, kwargs in {"float32": {}, "nearest": NEAREST_BF16_NU,
-                         "stochastic": dict(adam_nu_dtype="bfloat16", adam_nu_rounding="stochastic"),
-                         "auto": dict(adam_nu_dtype="bfloat16")}.items():
+    for name, kwargs in {"float32": {}, "bfloat16": dict(adam_nu_dtype="bfloat16")}.items():
         _, states = _updates(TrainConfig(**{**HAND, "steps": 200}, adam_b2=0.99, **kwargs), params, grads)
         final[name] = np.asarray(_adam_state(states[-1]).nu["w"], np.float32)
     ref = float(final["float32"].mean())
-    assert abs(final["nearest"].mean() - ref) > 0.05 * ref, (final["nearest"].mean(), ref)  # stuck
-    assert final["stochastic"].mean() == pytest.approx(ref, rel=0.01)  # unbiased
-    assert final["stochastic"].std() > 0  # each element rounded on its own
-    np.testing.assert_array_equal(final["auto"], final["stochastic"])  # "auto" rounds a bf16 nu stochastically
+    assert final["bfloat16"].mean() == pytest.approx(ref, rel=0.01)  # unbiased
+    assert final["bfloat16"].std() > 0  # each element rounded on its own
 
 
-def test_stochastic_rounding_validation_and_b2():
-    with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_rounding: got 'up'; expected one of"):
-        TrainConfig(adam_nu_dtype="bfloat16", adam_nu_rounding="up")
-    for nu in (None, "float32"):
-        with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_rounding: 'stochastic' rounds a bfloat16 nu"):
-            TrainConfig(adam_nu_dtype=nu, adam_nu_rounding="stochastic")
-    # with an "auto" nu it applies where nu is bfloat16 (GPUs); on the CPU there is nothing to round
-    auto = TrainConfig(adam_nu_rounding="stochastic")
-    assert auto.resolved("gpu").adam_nu_rounding == "stochastic"
-    assert (auto.resolved("cpu").adam_nu_dtype, auto.resolved("cpu").adam_nu_rounding) == (None, "nearest")
-    tc = TrainConfig(adam_nu_dtype="bfloat16", adam_nu_rounding="stochastic", adam_b2=0.999)  # it does not freeze
+def test_stochastic_bf16_nu_decays_at_b2s_rate():
+    tc = TrainConfig(adam_nu_dtype="bfloat16", adam_b2=0.999)  # round-to-nearest froze nu at this b2
     assert TrainConfig.from_dict(tc.to_dict()) == tc
-    with pytest.raises(ValueError, match="stochastic rounding stores a bfloat16 nu"):
-        with_adam_nu_dtype(optax.adam(1e-3), "float32", "stochastic")
     params = {"w": jnp.zeros((4, 8))}
     tx = make_optimizer(tc)
     state = tx.init(params)

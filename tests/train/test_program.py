@@ -33,7 +33,7 @@ def test_abstract_state_matches_init_and_compiles_the_step():
 def test_with_head_bias_sets_values_in_any_layout(n_devices):
     if jax.device_count() < n_devices:
         pytest.skip(f"needs {n_devices} devices")
-    cfg = get_config("tiny", head_bias="unigram")
+    cfg = get_config("tiny", router_recipe="short_run")  # its head_bias "unigram"
     tx = make_optimizer(TrainConfig(model="tiny", steps=2, warmup_steps=1))
     mesh = make_mesh(jax.devices()[:n_devices])
     _, state = init_state(cfg, tx, 0, mesh)
@@ -45,6 +45,6 @@ def test_with_head_bias_sets_values_in_any_layout(n_devices):
     np.testing.assert_array_equal(new.params["head"]["kernel"][...], state.params["head"]["kernel"][...])
     with pytest.raises(ValueError, match=r"shape \(3,\) != the head's vocabulary \(256,\)"):
         with_head_bias(state, values[:3])
-    _, plain = init_state(cfg.replace(head_bias="none"), tx, 0, mesh)
+    _, plain = init_state(cfg.replace(router_recipe="deepseek_v3"), tx, 0, mesh)
     with pytest.raises(ValueError, match="head_bias is 'none'"):
         with_head_bias(plain, values)

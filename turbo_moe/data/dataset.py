@@ -62,7 +62,7 @@ class SyntheticSequences:
 
 def unigram_log_prior(source: PackedSequences | SyntheticSequences, vocab_size: int) -> np.ndarray:
     """(V,) float32 log frequencies (add-one smoothed) of the target tokens of `source`: the init of
-    `ModelConfig.head_bias="unigram"`. Synthetic tokens are uniform: zeros (a constant shift of every
+    the router recipe's `head_bias="unigram"`. Synthetic tokens are uniform: zeros (a constant shift of every
     logit changes nothing)."""
     if isinstance(source, SyntheticSequences):
         return np.zeros((vocab_size,), np.float32)

@@ -12,9 +12,10 @@ from turbo_moe.model.experts import ExpertStats, ExpertWeights
 from turbo_moe.model.model import DeepSeekModel, ModelOutput, MoEStats, lm_loss, update_router_bias
 from turbo_moe.model.moe_layer import moe_path_fn
 from turbo_moe.model.router import RouterBias, Routing
+from turbo_moe.model.router_recipes import ROUTER_RECIPES, RouterRecipe
 
 __all__ = [
     "MOE_PATHS", "PRESET_NAMES", "ModelConfig", "get_config", "DeepSeekModel", "ModelOutput", "MoEStats",
     "lm_loss", "update_router_bias", "count_params", "flops_per_token", "RouterBias", "Routing",
-    "ExpertWeights", "ExpertStats", "moe_path_fn",
+    "ExpertWeights", "ExpertStats", "moe_path_fn", "ROUTER_RECIPES", "RouterRecipe",
 ]

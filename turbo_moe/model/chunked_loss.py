@@ -33,7 +33,7 @@ def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, targets: jax.Arr
 
     hidden (B, S, D) in the compute dtype (final-normalised); weight (D, V), or (V, D) with `vocab_major`
     (a tied embedding table), in the parameter dtype (cast to hidden's dtype once, before the chunks); bias None or
-    (V,) float32, added to the float32 logits (`ModelConfig.head_bias`); targets, mask (B, S); `logits_dtype`
+    (V,) float32, added to the float32 logits (the router recipe's `head_bias`); targets, mask (B, S); `logits_dtype`
     ("float32" or "bfloat16", `ModelConfig.logits_dtype`) what the head GEMM writes, upcast by the loss. A chunk
     spans every sequence of the batch and `max(1, chunk_tokens // B)` positions (chunks
     over positions keep a batch sharded over devices evenly split); the last chunk is zero-padded and

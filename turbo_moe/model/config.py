@@ -12,6 +12,9 @@ import math
 import os
 from typing import Any, Mapping
 
+from turbo_moe.model.router_recipes import RECIPE_FIELDS, ROUTER_RECIPE_NAMES, ROUTER_RECIPES, RouterRecipe
+from turbo_moe.model.router_recipes import recipe_named_by
+
 MOE_PATHS = ("dense_cf", "ragged", "turbo", "pallas")  # each has its rows in turbo_moe.model.paths.PATHS
 EP_EXCHANGES = ("deepep", "ragged_all_to_all")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
@@ -19,8 +22,6 @@ PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attention")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_unpadded")  # turbo_moe/model/layers.py: causal_attention
 EP_LAYOUTS = ("auto", "dense", "packed", "ragged")  # turbo_moe.ops.moe_dispatch's layouts
-ROUTER_BIAS_UPDATES = ("sign", "proportional")
-HEAD_BIASES = ("none", "zero", "unigram")
 LOGITS_DTYPES = ("float32", "bfloat16")
 # Fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a removed
 # field set to the kept behaviour (old records and specs), and refuses any other value with the reason.
@@ -30,7 +31,8 @@ REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
     "embedding_grad": ("segment", "the embedding's backward is always turbo_moe.ops.segment_sum"),
     "expert_backward": ("block", "the permute exchange's experts always run as one expert block"),
     "swiglu_impl": ("auto", "the SwiGLU kernels run on GPUs, XLA's fusions elsewhere"),
-    "router_center_ema": (0.0, "router centering by a running mean lost to router_center_causal"),
+    "router_center_ema": (0.0, "router centering by a running mean lost to causal centering (router_recipe "
+                               "'short_run')"),
     "router_bias_rate_start": (0.0, "the bias update rate is router_bias_rate throughout"),
     "router_bias_rate_decay_steps": (0, "the bias update rate is router_bias_rate throughout"),
     "embedding_init_std": (None, "the token embeddings are initialised with std d_model ** -0.5 (MaxText's fan-in)"),
@@ -130,37 +132,10 @@ class ModelConfig:
     # experts' GEMM inputs/outputs and cuDNN attention's outputs (custom kernels the dot policies recompute).
     remat_policy: str = "none"
     tie_embeddings: bool = False
-    # Output-head bias, a float32 (V,) Param added to the main and MTP logits. "unigram": training sets it
-    # at init to the training split's log unigram frequencies, so the model need not learn them as one
-    # direction every token's hidden state carries, the direction that collapses the routers in the lr
-    # warm-up (docs/notes/routing.md); "zero": learned from zero; "none": no bias (DeepSeek-V3).
-    head_bias: str = "none"
-    # Zero-init the projections back into the residual stream (attention and SwiGLU `wo`, experts'
-    # `w_down`): every block starts as the identity, so the router inputs are the token embeddings at
-    # every depth. With random ones, the near-uniform attention of a fresh model adds nearly the same
-    # vector to every token in each layer, and the routers of deep layers see tokens that look alike.
-    zero_init_out_proj: bool = False
     init_std: float = 0.02  # std of every projection's normal init, the router's gate included (DeepSeek/Megatron)
-    # "sign": b_i += rate * sign(mean - load_i) (DeepSeek-V3); "proportional": b_i += rate * (mean -
-    # load_i) / mean, so an expert at 10x the mean load moves 9 steps' worth at once.
-    router_bias_update: str = "sign"
-    # Gate kernel stored divided by this factor and multiplied back in the forward: AdamW (updates ~lr
-    # per element) then moves the gate at lr * router_lr_scale, without touching the optimizer.
-    router_lr_scale: float = 1.0
-    # Causal sequence centering of the selection (False: off): top-k reads sigmoid(l_t - mean_{s<=t} l_s),
-    # each token's gate logits minus the running mean of its own sequence's so far (stop-gradient; combine
-    # weights unchanged). Whatever every token of a sequence shares (the shared direction that collapses the
-    # routers) leaves the choice exactly; past tokens only, so training and decoding agree.
-    router_center_causal: bool = False
-    # Causal sequence load penalty on the selection (0: off): each sequence runs through top-k in chunks of
-    # `router_seq_load_chunk` tokens; a token's selection is lowered by this weight x max(share - 1, 0) per expert,
-    # share = that expert's picks by the sequence's *earlier chunks* over its fair share k/E (with a prior of
-    # SEQ_LOAD_PRIOR_TOKENS fair-share tokens; `router.seq_load_penalized_selection`). A sequence that sends most
-    # of its tokens to a few experts (repeated names and lines) spreads its later tokens. Stop-gradient, combine
-    # weights unchanged, past chunks only (a decoder that keeps each sequence's counts, updated at chunk boundaries,
-    # makes the same choices). Sequential over chunks: a parallel version moves alike tokens all at once.
-    router_seq_load_penalty: float = 0.0
-    router_seq_load_chunk: int = 128
+    # The router's recipe (turbo_moe/model/router_recipes.py; the model reads its values as `router`):
+    # "deepseek_v3" (DeepSeek-V3's own) or "short_run" (balanced routing for short, high-lr runs; `reduced`).
+    router_recipe: str = "deepseek_v3"
     # "auto" (on the GPU for bf16/f16: cuDNN with v at its own width where this JAX has the private entry point
     # "cudnn_unpadded" needs, else cuDNN with v padded; XLA elsewhere), "xla", "cudnn", or "cudnn_unpadded"
     # (layers.causal_attention).
@@ -184,6 +159,11 @@ class ModelConfig:
     @property
     def router_std(self) -> float:
         return self.init_std
+
+    @property
+    def router(self) -> RouterRecipe:
+        """The values of `router_recipe`: what the router, the model's init and the bias update read."""
+        return ROUTER_RECIPES[self.router_recipe]
 
     @property
     def qk_head_dim(self) -> int:
@@ -218,23 +198,33 @@ class ModelConfig:
             raise TypeError(f"ModelConfig.from_dict expects a mapping, got {type(values).__name__}")
         known = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
+        old_router_fields: dict[str, Any] = {}
         for key, value in values.items():
             name = MAXTEXT_ALIASES.get(key, key)
             if name in REMOVED_FIELDS:
                 _check_removed(name, value)
+                continue
+            if name in RECIPE_FIELDS:  # replaced by router_recipe: a recipe's values name that recipe
+                old_router_fields[name] = _coerce(name, value, RECIPE_FIELDS[name][1])
                 continue
             if name not in known:
                 raise ValueError(f"unknown ModelConfig field {key!r}; known fields: {sorted(known)}")
             if name in kwargs:
                 raise ValueError(f"ModelConfig field {name!r} given twice (as {key!r} and an alias)")
             kwargs[name] = _coerce(name, value, known[name].type)
+        if old_router_fields:
+            base = kwargs.get("router_recipe", known["router_recipe"].default)
+            _require(base in ROUTER_RECIPES, "router_recipe", f"got {base!r}; expected one of {ROUTER_RECIPE_NAMES}")
+            kwargs["router_recipe"] = recipe_named_by(base, old_router_fields)
         return cls(**kwargs)
 
     @classmethod
     def from_record(cls, values: Mapping[str, Any]) -> "ModelConfig":
         """An older run's recorded config, for reading history: fields since removed (REMOVED_FIELDS) are dropped
-        whatever their value, since that run already ran with them. Configs to run go through `from_dict`."""
-        return cls.from_dict({k: v for k, v in values.items() if MAXTEXT_ALIASES.get(k, k) not in REMOVED_FIELDS})
+        whatever their value, since that run already ran with them, and the router fields a recipe replaced are
+        read as in `record_router_fields`. Configs to run go through `from_dict`."""
+        kept = {k: v for k, v in values.items() if MAXTEXT_ALIASES.get(k, k) not in REMOVED_FIELDS}
+        return cls.from_dict(record_router_fields(kept))
 
     @classmethod
     def from_yaml(cls, path_or_text: str) -> "ModelConfig":
@@ -250,6 +240,22 @@ class ModelConfig:
             raise ValueError(f"YAML model config must be a mapping, got {type(values).__name__}")
         preset = values.pop("preset", None)
         return get_config(preset, **values) if preset else cls.from_dict(values)
+
+
+def record_router_fields(values: Mapping[str, Any], base: str = "deepseek_v3") -> dict[str, Any]:
+    """An older record's model fields with the router fields that router_recipe replaced read as the recipe they
+    equal (on top of the record's router_recipe, else `base`: a preset's), or dropped where no recipe has their
+    values: the routing studies ran such combinations, and their records keep the fields that say so."""
+    old = {k: v for k, v in values.items() if k in RECIPE_FIELDS}
+    kept = {k: v for k, v in values.items() if k not in RECIPE_FIELDS}
+    base = kept.get("router_recipe", base)
+    if old and base in ROUTER_RECIPES:
+        try:
+            kept["router_recipe"] = recipe_named_by(
+                base, {k: _coerce(k, v, RECIPE_FIELDS[k][1]) for k, v in old.items()})
+        except (TypeError, ValueError):
+            pass
+    return kept
 
 
 def _canonical_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -345,26 +351,19 @@ def _validate(c: ModelConfig) -> None:
     _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
              f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
     _require(c.ep_layout in EP_LAYOUTS, "ep_layout", f"got {c.ep_layout!r}; expected one of {EP_LAYOUTS}")
-    _require(c.head_bias in HEAD_BIASES, "head_bias", f"got {c.head_bias!r}; expected one of {HEAD_BIASES}")
     _require(c.logits_dtype in LOGITS_DTYPES, "logits_dtype", f"got {c.logits_dtype!r}; expected one of {LOGITS_DTYPES}")
-    _require(c.router_bias_update in ROUTER_BIAS_UPDATES, "router_bias_update",
-             f"got {c.router_bias_update!r}; expected one of {ROUTER_BIAS_UPDATES}")
-    for name in ("routed_scaling_factor", "rope_theta", "init_std", "router_lr_scale"):
+    _require(c.router_recipe in ROUTER_RECIPES, "router_recipe",
+             f"got {c.router_recipe!r}; expected one of {ROUTER_RECIPE_NAMES}")
+    for name in ("routed_scaling_factor", "rope_theta", "init_std"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name,
                  f"must be a positive finite number, got {value!r}")
-    _require(isinstance(c.router_center_causal, bool), "router_center_causal",
-             f"must be a bool, got {c.router_center_causal!r}")
-    _require(isinstance(c.router_seq_load_penalty, (int, float)) and not isinstance(c.router_seq_load_penalty, bool)
-             and math.isfinite(c.router_seq_load_penalty) and c.router_seq_load_penalty >= 0,
-             "router_seq_load_penalty", f"must be a finite number >= 0 (0: off), got {c.router_seq_load_penalty!r}")
-    _require(isinstance(c.router_seq_load_chunk, int) and not isinstance(c.router_seq_load_chunk, bool)
-             and c.router_seq_load_chunk > 0, "router_seq_load_chunk",
-             f"must be a positive int (tokens per chunk), got {c.router_seq_load_chunk!r}")
-    n_chunks = -(-c.max_seq_len // c.router_seq_load_chunk)
-    _require(c.router_seq_load_penalty == 0 or n_chunks <= MAX_SEQ_LOAD_CHUNKS, "router_seq_load_chunk",
-             f"{c.router_seq_load_chunk} makes {n_chunks} chunks of a {c.max_seq_len}-token sequence, each unrolled "
-             f"into the program; at most {MAX_SEQ_LOAD_CHUNKS} (chunk >= {-(-c.max_seq_len // MAX_SEQ_LOAD_CHUNKS)})")
+    recipe = c.router
+    n_chunks = -(-c.max_seq_len // recipe.seq_load_chunk)
+    _require(recipe.seq_load_penalty == 0 or n_chunks <= MAX_SEQ_LOAD_CHUNKS, "max_seq_len",
+             f"router_recipe {c.router_recipe!r} runs the sequence load penalty over chunks of "
+             f"{recipe.seq_load_chunk} tokens, each unrolled into the program: {c.max_seq_len} tokens make {n_chunks} "
+             f"chunks, at most {MAX_SEQ_LOAD_CHUNKS} (max_seq_len <= {MAX_SEQ_LOAD_CHUNKS * recipe.seq_load_chunk})")
     for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,
@@ -378,8 +377,7 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
     _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
              "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
-    for name in ("tie_embeddings", "zero_init_out_proj"):
-        _require(isinstance(getattr(c, name), bool), name, f"must be a bool, got {getattr(c, name)!r}")
+    _require(isinstance(c.tie_embeddings, bool), "tie_embeddings", f"must be a bool, got {c.tie_embeddings!r}")
 
 
 # ---------------------------------------------------------------- presets
@@ -404,17 +402,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     # DeepSeek-V3 proportions at ~2.07 B total / ~0.36 B active: 64 routed experts (8 groups, top-4 groups)
     # + 1 shared, top-6, MLA with q/kv LoRA and decoupled RoPE, MTP depth 1; sized for one 80 GB GPU at
-    # 8 x 2048 tokens. Its routing recipe is for short, high-lr runs (docs/configuration.md has the measurements;
-    # DeepSeek-V3's own: head_bias "none", zero_init_out_proj False, router_lr_scale 1, router_bias_update "sign",
-    # router_bias_rate 1e-3, router_center_causal False, router_seq_load_penalty 0).
+    # 8 x 2048 tokens. Its router recipe is for short, high-lr runs (docs/configuration.md has the measurements;
+    # DeepSeek-V3's own is router_recipe "deepseek_v3" with router_bias_rate 1e-3).
     "reduced": dict(
         vocab_size=32768, d_model=1280, n_layers=16, n_dense_layers=1, dense_ffn_dim=3584, moe_ffn_dim=512,
         n_experts=64, n_shared_experts=1, top_k=6, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,
         n_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
         v_head_dim=64, max_seq_len=2048, mtp_depth=1, mtp_loss_weight=0.3, balance_loss_weight=1e-4,
         remat_policy="dots_experts_attention", init_std=0.006, loss_chunk_tokens=4096, logits_dtype="bfloat16",
-        head_bias="unigram", zero_init_out_proj=True, router_lr_scale=0.1, router_bias_update="proportional",
-        router_bias_rate=1e-2, router_center_causal=True, router_seq_load_penalty=0.1,
+        router_recipe="short_run", router_bias_rate=1e-2,
     ),
     # The public DeepSeek-V3 architecture (config.json of deepseek-ai/DeepSeek-V3).
     "deepseek_v3_671b": dict(

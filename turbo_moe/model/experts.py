@@ -56,7 +56,7 @@ class RoutedExperts(nnx.Module):
         axes = (EXPERT_AXIS, None, None)
         self.w_gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * f), dtype), logical_axes=axes)  # (E, D, 2F)
         w_down = init(rngs.params(), (e, f, d), dtype)  # drawn either way: the other parameters do not change
-        if cfg.zero_init_out_proj:
+        if cfg.router.zero_init_out_proj:
             w_down = jnp.zeros_like(w_down)
         self.w_down = nnx.Param(w_down, logical_axes=axes)  # (E, F, D)
 

@@ -34,8 +34,9 @@ def linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, **kwargs) ->
 
 def out_projection(cfg: ModelConfig, d_in: int, rngs: nnx.Rngs) -> nnx.Linear:
     """A block's projection back into the residual stream (attention and SwiGLU `wo`): zero at init with
-    `cfg.zero_init_out_proj` (it draws its random key either way, so no other parameter changes)."""
-    kernel_init = nnx.initializers.zeros_init() if cfg.zero_init_out_proj else nnx.initializers.normal(cfg.init_std)
+    the router recipe's `zero_init_out_proj` (it draws its random key either way, so no other parameter changes)."""
+    zero = cfg.router.zero_init_out_proj
+    kernel_init = nnx.initializers.zeros_init() if zero else nnx.initializers.normal(cfg.init_std)
     return nnx.Linear(d_in, cfg.d_model, use_bias=False, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
                       kernel_init=kernel_init, rngs=rngs)
 

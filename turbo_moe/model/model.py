@@ -69,7 +69,8 @@ class DeepSeekModel(nnx.Module):
         self.head = None if cfg.tie_embeddings else linear(
             cfg, cfg.d_model, cfg.vocab_size, rngs, preferred_element_type=jnp.dtype(cfg.logits_dtype))
         # float32 whatever the param dtype: log-frequencies span ~15 nats, bf16 would round them by ~0.06
-        self.head_bias = None if cfg.head_bias == "none" else nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
+        self.head_bias = (None if cfg.router.head_bias == "none"
+                          else nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32)))
         self.mtp = nnx.List([MTPModule(cfg, d + 1, rngs) for d in range(cfg.mtp_depth)])
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -213,7 +214,7 @@ def lm_loss(model: DeepSeekModel, batch: dict) -> tuple[jax.Array, dict]:
 
 def update_router_bias(model: DeepSeekModel, expert_load: jax.Array, rate: float | None = None) -> None:
     """Aux-loss-free balancing, in place, for each MoE layer: `router.updated_bias` with
-    cfg.router_bias_update (sign: b_i += rate * sign(mean load - load_i)).
+    the router recipe's bias_update (sign: b_i += rate * sign(mean load - load_i)).
 
     expert_load (L_moe, E) as in `MoEStats.expert_load`; rate defaults to cfg.router_bias_rate.
     Call outside the gradient (after the optimizer step).
@@ -227,5 +228,5 @@ def update_router_bias(model: DeepSeekModel, expert_load: jax.Array, rate: float
     for bias in model.router_biases():  # (L, E) for the MoE stack, (E,) for an MTP block
         rows = bias[...].shape[0] if bias[...].ndim == 2 else 1
         load = expert_load[row:row + rows].reshape(bias[...].shape)
-        bias[...] = updated_bias(bias[...], load, rate, model.cfg.router_bias_update)
+        bias[...] = updated_bias(bias[...], load, rate, model.cfg.router.bias_update)
         row += rows

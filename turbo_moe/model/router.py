@@ -107,8 +107,8 @@ def causal_centered_selection(logits: jax.Array) -> jax.Array:
     token's logits minus the running mean of its sequence up to and including itself. A vector added to
     every token of a sequence shifts all its logits alike and leaves the selection unchanged."""
     if logits.ndim != 3:
-        raise ValueError(f"router_center_causal needs the router input as (batch, seq, d_model); got logits of "
-                         f"shape {logits.shape}")
+        raise ValueError(f"the router recipe's causal centering needs the router input as (batch, seq, d_model); "
+                         f"got logits of shape {logits.shape}")
     logits = jax.lax.stop_gradient(logits)
     count = jnp.arange(1, logits.shape[1] + 1, dtype=jnp.float32)[None, :, None]
     return jax.nn.sigmoid(logits - jnp.cumsum(logits, axis=1) / count)
@@ -121,15 +121,17 @@ def causal_centered_selection(logits: jax.Array) -> jax.Array:
 
 def _needs_sequence_axis(selection: jax.Array) -> None:
     if selection.ndim != 3:
-        raise ValueError(f"router_seq_load_penalty needs the router input as (batch, seq, d_model); got selection "
-                         f"scores of shape {selection.shape}")
+        raise ValueError(f"the router recipe's sequence load penalty needs the router input as (batch, seq, "
+                         f"d_model); got selection scores of shape {selection.shape}")
 
 
-def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Selection scores (B, S, E) with the causal sequence load penalty (cfg.router_seq_load_penalty).
+def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: ModelConfig, penalty: float,
+                                 chunk: int) -> jax.Array:
+    """Selection scores (B, S, E) with the causal sequence load penalty (`penalty`: the router recipe's
+    seq_load_penalty; the model's top-k settings from `cfg`).
 
-    The sequence runs through group-limited top-k (on ``selection + bias``) chunk by chunk, C =
-    cfg.router_seq_load_chunk tokens at a time. For a token of chunk j, share_e = (picks of e by chunks < j +
+    The sequence runs through group-limited top-k (on ``selection + bias``) chunk by chunk, C = `chunk`
+    tokens at a time (the recipe's seq_load_chunk). For a token of chunk j, share_e = (picks of e by chunks < j +
     P k/E) / ((tokens in chunks < j + P) k/E), P = SEQ_LOAD_PRIOR_TOKENS (1: the fair share), and its selection
     becomes selection - penalty * max(share_e - 1, 0). Past chunks only: causal; stop-gradient. The counts are
     the picks made *with* the penalty, which is what splits tokens that look alike over the chunks.
@@ -138,7 +140,7 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
     selection = jax.lax.stop_gradient(selection).astype(jnp.float32)
     bias = jax.lax.stop_gradient(bias)
     b, seq, n_experts = selection.shape
-    chunk = min(cfg.router_seq_load_chunk, seq)
+    chunk = min(chunk, seq)
     fair = cfg.top_k / n_experts
     counts = jnp.zeros((b, n_experts), jnp.float32)  # picks by the earlier chunks of each sequence
     out = []
@@ -146,7 +148,7 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
     # none of them, drops under remat; a scan was run again there.
     for start in range(0, seq, chunk):
         share = (counts + fair * SEQ_LOAD_PRIOR_TOKENS) / ((start + SEQ_LOAD_PRIOR_TOKENS) * fair)
-        sel = selection[:, start:start + chunk] - cfg.router_seq_load_penalty * jnp.maximum(share - 1.0, 0.0)[:, None]
+        sel = selection[:, start:start + chunk] - penalty * jnp.maximum(share - 1.0, 0.0)[:, None]
         out.append(sel)
         if start + chunk < seq:
             picks = group_limited_topk_mask(sel, bias, top_k=cfg.top_k, n_groups=cfg.n_groups,
@@ -166,14 +168,14 @@ def kernel_expert_ids(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -
     """Expert ids (..., k) int32 from the router_topk kernel (`topk_kernel_here`, or a test): the picks of
     `group_limited_topk` on `selection` (..., E), or with the sequence load penalty on
     `seq_load_penalized_selection(selection)` ((B, S, E) then), in one call."""
-    penalty = float(cfg.router_seq_load_penalty)
+    penalty, chunk = float(cfg.router.seq_load_penalty), cfg.router.seq_load_chunk
     if penalty > 0:
         _needs_sequence_axis(selection)
 
     def local(selection, bias):
         rows = selection.reshape(1, -1, selection.shape[-1]) if penalty == 0 else selection  # no sequence axis needed
         ids = router_topk(rows.astype(jnp.float32), bias.astype(jnp.float32), top_k=cfg.top_k, n_groups=cfg.n_groups,
-                          topk_groups=cfg.topk_groups, penalty=penalty, chunk=cfg.router_seq_load_chunk)
+                          topk_groups=cfg.topk_groups, penalty=penalty, chunk=chunk)
         return ids.reshape(*selection.shape[:-1], cfg.top_k)
 
     # Each device picks for its own sequences (they are independent) rather than all of them.
@@ -185,14 +187,14 @@ class Router(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        # Stored as gate / router_lr_scale (see ModelConfig.router_lr_scale); `gate()` is the effective one.
-        init = nnx.initializers.normal(cfg.router_std / cfg.router_lr_scale)
+        # Stored as gate / lr_scale (see RouterRecipe.lr_scale); `gate()` is the effective one.
+        init = nnx.initializers.normal(cfg.router_std / cfg.router.lr_scale)
         self.kernel = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_experts), jnp.dtype(cfg.param_dtype)))
         self.bias = RouterBias(jnp.zeros((cfg.n_experts,), jnp.float32))
 
     def gate(self) -> jax.Array:
         """(D, E) float32 effective gate kernel."""
-        return self.kernel[...].astype(jnp.float32) * self.cfg.router_lr_scale
+        return self.kernel[...].astype(jnp.float32) * self.cfg.router.lr_scale
 
     def __call__(self, x: jax.Array) -> Routing:
         # The gate's arithmetic is float32: small score differences decide the routing. On NVIDIA GPUs XLA's DEFAULT
@@ -201,13 +203,14 @@ class Router(nnx.Module):
         gate = self.gate()
         logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), gate)
         scores = jax.nn.sigmoid(logits)
-        selection = causal_centered_selection(logits) if self.cfg.router_center_causal else None
+        recipe = self.cfg.router
+        selection = causal_centered_selection(logits) if recipe.center_causal else None
         if topk_kernel_here():
             expert_ids = kernel_expert_ids(scores if selection is None else selection, self.bias[...], self.cfg)
             return route(scores, self.bias[...], self.cfg, expert_ids=expert_ids)
-        if self.cfg.router_seq_load_penalty > 0:
+        if recipe.seq_load_penalty > 0:
             selection = seq_load_penalized_selection(scores if selection is None else selection, self.bias[...],
-                                                     self.cfg)
+                                                     self.cfg, recipe.seq_load_penalty, recipe.seq_load_chunk)
         return route(scores, self.bias[...], self.cfg, selection)
 
 

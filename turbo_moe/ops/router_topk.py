@@ -29,8 +29,8 @@ def router_topk(selection, bias, *, top_k: int, n_groups: int, topk_groups: int,
       top_k, n_groups, topk_groups: DeepSeek-V3 group-limited top-k: keep the `topk_groups` groups (of E /
         n_groups consecutive experts) with the largest sum of their two best `selection + bias`, then the
         top_k experts of the kept groups.
-      penalty: the causal sequence load penalty's weight (ModelConfig.router_seq_load_penalty); 0: none.
-      chunk: tokens per chunk of a sequence for the penalty (ModelConfig.router_seq_load_chunk).
+      penalty: the causal sequence load penalty's weight (the router recipe's seq_load_penalty); 0: none.
+      chunk: tokens per chunk of a sequence for the penalty (the router recipe's seq_load_chunk).
     Picks what `group_limited_topk(seq_load_penalized_selection(...), bias)` picks, in the same order, with
     the same float32 arithmetic as XLA:CPU; elsewhere an ulp of difference can move a near-tie.
     """

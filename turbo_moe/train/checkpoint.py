@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 # silently change the trajectory (steps, eval/checkpoint cadence, progress may change).
 RESUME_FIELDS = ("model", "model_overrides", "dataset", "text_field", "val_fraction", "per_device_batch",
                  "expert_parallel", "seq_len", "learning_rate", "warmup_steps", "lr_schedule_steps",
-                 "min_lr_ratio", "weight_decay", "adam_b1", "adam_b2", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding",
+                 "min_lr_ratio", "weight_decay", "adam_b1", "adam_b2", "adam_mu_dtype", "adam_nu_dtype",
                  "grad_clip", "remat_policy", "seed", "master_weights")
 # Fields a checkpoint's record may lack (written before the field existed): the value such a run had.
 RESUME_DEFAULTS = {"master_weights": "float32"}

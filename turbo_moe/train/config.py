@@ -10,14 +10,13 @@ from typing import Any, Mapping
 import jax
 
 from turbo_moe.model import ModelConfig, get_config
-from turbo_moe.model.config import MAXTEXT_ALIASES
+from turbo_moe.model.config import MAXTEXT_ALIASES, PRESET_NAMES, record_router_fields
 from turbo_moe.model.config import REMOVED_FIELDS as MODEL_REMOVED_FIELDS
 
 _POSITIVE_INTS = ("per_device_batch", "steps", "log_every", "keep_checkpoints", "expert_parallel")
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "skip_steps_for_tgs", "seed")
 ADAM_MU_DTYPES = ("auto", None, "bfloat16", "float32")
 ADAM_NU_DTYPES = ADAM_MU_DTYPES  # the moments' storage dtypes: None is the parameters' dtype
-NU_ROUNDINGS = ("auto", "nearest", "stochastic")
 MASTER_WEIGHTS = ("auto", "float32", "split")  # turbo_moe/train/split_master.py
 # TrainConfig fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a
 # removed field set to the kept behaviour (old records and specs) and refuses any other value with the reason.
@@ -26,9 +25,11 @@ REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
     "cast_params_in_update": (False, "master_weights='split' keeps the bf16 compute copy instead"),
     "xla_gpu_autotune_level": (None, "runs compile with XLA's GEMM autotuning (level 0 ran the step several times "
                                      "slower); benchmarks that only compile pass a level to build_program"),
+    "adam_nu_rounding": ("auto", "a bfloat16 nu is always rounded stochastically (round-to-nearest cost +0.074 nats "
+                                 "and froze nu for adam_b2 > 1 - 2**-8); a float32 nu has nothing to round"),
 }
-# bfloat16 keeps 8 significant bits: for adam_b2 above 1 - 2**-8 the decay b2 * nu can round back to nu.
-BF16_NU_MAX_B2 = 1 - 2**-8
+# Values of the removed adam_nu_rounding that name what now runs: "nearest" only where nu is not bfloat16.
+_NU_ROUNDINGS_KEPT = ("auto", "stochastic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +68,12 @@ class TrainConfig:
     adam_b1: float = 0.9
     adam_b2: float = 0.95
     # AdamW moments' storage dtypes (a quality/speed choice: the update is memory-bound). mu: optax's mu_dtype; nu: a
-    # wrapper around optax's adamw (turbo_moe.train.low_precision_adam). None: the parameters' dtype (float32).
-    # "bfloat16" for both is DeepSeek-V3's recipe. "auto": bfloat16 on GPUs, None on the CPU.
+    # wrapper around optax's adamw (turbo_moe.train.low_precision_adam) that rounds a bfloat16 nu stochastically
+    # (unbiased; DeepSeek-V3's round-to-nearest cost +0.074 nats at 300 steps, docs/configuration.md). None: the
+    # parameters' dtype (float32). "bfloat16" for both is DeepSeek-V3's recipe. "auto": bfloat16 on GPUs, None on
+    # the CPU.
     adam_mu_dtype: str | None = "auto"
     adam_nu_dtype: str | None = "auto"
-    # How a bf16 nu is stored: "stochastic" (unbiased: turbo_moe.train.low_precision_adam; no adam_b2 limit) or
-    # "nearest" (as DeepSeek-V3 describes; it cost +0.074 nats at 300 steps here, docs/performance.md; needs adam_b2
-    # <= 1 - 2**-8, else nu cannot decay). "auto": "stochastic" for a bf16 nu.
-    adam_nu_rounding: str = "auto"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     eval_every: int = 25  # 0: only at the end
     eval_batches: int = 4  # 0: never evaluate (throughput runs skip compiling the eval step)
@@ -125,10 +124,6 @@ class TrainConfig:
         for name in ("adam_mu_dtype", "adam_nu_dtype"):
             if getattr(self, name) == "auto":
                 changes[name] = "bfloat16" if on_gpu else None
-        nu = changes.get("adam_nu_dtype", self.adam_nu_dtype)
-        # "stochastic" with an "auto" nu that is not bfloat16 on this platform: nothing to round, so "nearest"
-        if self.adam_nu_rounding == "auto" or (self.adam_nu_rounding == "stochastic" and nu != "bfloat16"):
-            changes["adam_nu_rounding"] = "stochastic" if nu == "bfloat16" else "nearest"
         return self.replace(**changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,15 +136,19 @@ class TrainConfig:
     @classmethod
     def from_record(cls, values: Mapping[str, Any]) -> "TrainConfig":
         """An older run's recorded config, for reading history: fields since removed (this class's and the model's,
-        in `model` and `model_overrides`) are dropped whatever their value, since that run already ran with them.
-        Configs to run go through `from_dict`."""
+        in `model` and `model_overrides`) are dropped whatever their value, since that run already ran with them, and
+        the router fields a recipe replaced are read as `record_router_fields` reads them. Configs to run go through
+        `from_dict`."""
 
-        def model_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
-            return {k: v for k, v in fields.items() if MAXTEXT_ALIASES.get(k, k) not in MODEL_REMOVED_FIELDS}
+        def model_fields(fields: Mapping[str, Any], base: str = "deepseek_v3") -> dict[str, Any]:
+            kept = {k: v for k, v in fields.items() if MAXTEXT_ALIASES.get(k, k) not in MODEL_REMOVED_FIELDS}
+            return record_router_fields(kept, base)
 
         kept = {k: v for k, v in values.items() if k not in REMOVED_FIELDS}
+        preset = kept.get("model", "tiny")
         if isinstance(kept.get("model_overrides"), Mapping):
-            kept["model_overrides"] = model_fields(kept["model_overrides"])
+            base = get_config(preset).router_recipe if preset in PRESET_NAMES else "deepseek_v3"
+            kept["model_overrides"] = model_fields(kept["model_overrides"], base)
         if isinstance(kept.get("model"), Mapping):
             kept["model"] = model_fields(kept["model"])
         return cls.from_dict(kept)
@@ -163,8 +162,10 @@ class TrainConfig:
         kwargs = dict(values)
         for name in sorted(set(kwargs) & set(REMOVED_FIELDS)):
             kept, why = REMOVED_FIELDS[name]
-            if kwargs.pop(name) != kept:
-                raise ValueError(f"TrainConfig field {name!r} was removed ({why}): drop it from the config")
+            value = kwargs.pop(name)
+            if value != kept and not _names_what_runs(name, value, kwargs):
+                raise ValueError(f"TrainConfig field {name!r} was removed ({why}); got {value!r}: drop it from the "
+                                 f"config")
         if "remat_policy" in kwargs:  # MaxText's top-level key: the model's field
             policy = kwargs.pop("remat_policy")
             if policy is not None:
@@ -175,6 +176,14 @@ class TrainConfig:
         if isinstance(kwargs.get("model"), Mapping):
             kwargs["model"] = ModelConfig.from_dict(kwargs["model"])
         return cls(**kwargs)
+
+
+def _names_what_runs(name: str, value: Any, values: Mapping[str, Any]) -> bool:
+    """A removed field's old value other than the kept one that still names what runs (an older resolved record)."""
+    if name == "adam_nu_rounding":
+        nu = values.get("adam_nu_dtype", "auto")
+        return value in _NU_ROUNDINGS_KEPT or (value == "nearest" and nu in (None, "float32"))
+    return False
 
 
 def _is_int(value: Any) -> bool:
@@ -218,16 +227,6 @@ def _validate(c: TrainConfig) -> None:
              "adam_mu_dtype", f"got {c.adam_mu_dtype!r}; expected one of {ADAM_MU_DTYPES}")
     _require(c.adam_nu_dtype is None or (isinstance(c.adam_nu_dtype, str) and c.adam_nu_dtype in ADAM_NU_DTYPES),
              "adam_nu_dtype", f"got {c.adam_nu_dtype!r}; expected one of {ADAM_NU_DTYPES}")
-    _require(c.adam_nu_rounding in NU_ROUNDINGS, "adam_nu_rounding",
-             f"got {c.adam_nu_rounding!r}; expected one of {NU_ROUNDINGS}")
-    _require(c.adam_nu_rounding != "stochastic" or c.adam_nu_dtype in ("bfloat16", "auto"), "adam_nu_rounding",
-             f"{c.adam_nu_rounding!r} rounds a bfloat16 nu; adam_nu_dtype is {c.adam_nu_dtype!r}")
-    _require(c.adam_nu_dtype not in ("bfloat16", "auto") or c.adam_nu_rounding != "nearest"
-             or c.adam_b2 <= BF16_NU_MAX_B2,
-             "adam_nu_dtype",
-             f"'bfloat16' needs adam_b2 <= 1 - 2**-8 (~{BF16_NU_MAX_B2:.4f}), got adam_b2={c.adam_b2!r}: bfloat16 "
-             f"keeps 8 significant bits, so b2 * nu can round back to nu and the second moment stops shrinking "
-             f"(adam_nu_rounding='stochastic' does not)")
     _require(_is_number(c.val_fraction) and 0 < c.val_fraction < 1, "val_fraction",
              f"must be in (0, 1), got {c.val_fraction!r}")
     _require(isinstance(c.dataset, str) and c.dataset != "", "dataset",

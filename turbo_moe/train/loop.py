@@ -202,8 +202,9 @@ class _Trainer:
         return float(np.mean(losses))
 
     def _head_prior(self, state):
-        """head_bias "unigram": the head's bias starts at the training split's log unigram frequencies."""
-        if self.model_cfg.head_bias == "unigram":
+        """The router recipe's head_bias "unigram": the head's bias starts at the training split's log unigram
+        frequencies."""
+        if self.model_cfg.router.head_bias == "unigram":
             state = with_head_bias(state, unigram_log_prior(self.dataset.train, self.model_cfg.vocab_size))
         return jax.block_until_ready(state)
 

@@ -1,9 +1,9 @@
-"""AdamW's second moment stored in a low-precision dtype (`TrainConfig.adam_nu_dtype`, `adam_nu_rounding`).
+"""AdamW's second moment stored in a low-precision dtype (`TrainConfig.adam_nu_dtype`).
 
 optax has `mu_dtype` but no `nu_dtype`: `with_adam_nu_dtype` wraps optax's own adamw (its arithmetic unchanged, on a
-float32 copy of the stored nu) and rounds only the nu kept for the next step. Round-to-nearest drops the increment
-(1 - b2) g^2 whenever it is under half an ulp of nu, so a bf16 nu runs low (measured: docs/configuration.md);
-stochastic rounding keeps the stored value unbiased. Its random bits are a
+float32 copy of the stored nu) and rounds only the nu kept for the next step. A bfloat16 nu is rounded stochastically:
+round-to-nearest (DeepSeek-V3's description) drops the increment (1 - b2) g^2 whenever it is under half an ulp of nu,
+so a bf16 nu runs low (measured: docs/configuration.md); stochastic rounding keeps the stored value unbiased. Its random bits are a
 counter hash of (step, leaf, element): no PRNG state, the same bits on any sharding, fused into the update's pass.
 """
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-
-from turbo_moe.train.config import NU_ROUNDINGS
 
 
 def _is_adam(node) -> bool:
@@ -46,18 +44,13 @@ def stochastic_round_to_bf16(x: jax.Array, seed: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)  # exact: the low bits are zero
 
 
-def with_adam_nu_dtype(inner: optax.GradientTransformation, nu_dtype, rounding: str = "nearest"
-                       ) -> optax.GradientTransformationExtraArgs:
-    """`inner` (optax's own Adam/AdamW) with its second moment stored in `nu_dtype`, rounded to nearest or (bf16 only)
-    stochastically. The state has the same tree as `inner`'s: only nu's dtype differs."""
+def with_adam_nu_dtype(inner: optax.GradientTransformation, nu_dtype) -> optax.GradientTransformationExtraArgs:
+    """`inner` (optax's own Adam/AdamW) with its second moment stored in `nu_dtype`: rounded stochastically to
+    bfloat16, cast to any other dtype. The state has the same tree as `inner`'s: only nu's dtype differs."""
     dtype = jnp.dtype(nu_dtype)
-    if rounding not in NU_ROUNDINGS:
-        raise ValueError(f"rounding must be one of {NU_ROUNDINGS}, got {rounding!r}")
-    if rounding == "stochastic" and dtype != jnp.bfloat16:
-        raise ValueError(f"stochastic rounding stores a bfloat16 nu, got nu_dtype {dtype}")
 
     def store(adam: optax.ScaleByAdamState):
-        if rounding == "nearest":
+        if dtype != jnp.bfloat16:
             return jax.tree.map(lambda v: v.astype(dtype), adam.nu)
         # a seed per (step, leaf): optax's count is this step's number
         step = jnp.asarray(adam.count).astype(jnp.uint32) * jnp.uint32(0x27D4EB2F)

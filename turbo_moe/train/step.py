@@ -122,18 +122,18 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     `build_program`'s cache (keyed on it) hits across runs."""
     tc = tc.resolved()
     return _optimizer(tc.learning_rate, tc.warmup_steps, tc.schedule_steps, tc.min_lr_ratio, tc.weight_decay,
-                      tc.adam_b1, tc.adam_b2, tc.grad_clip, tc.adam_mu_dtype, tc.adam_nu_dtype, tc.adam_nu_rounding)
+                      tc.adam_b1, tc.adam_b2, tc.grad_clip, tc.adam_mu_dtype, tc.adam_nu_dtype)
 
 
 @functools.lru_cache(maxsize=8)
 def _optimizer(peak, warmup_steps, total_steps, min_lr_ratio, weight_decay, b1, b2, grad_clip, mu_dtype=None,
-               nu_dtype=None, nu_rounding="nearest"):
+               nu_dtype=None):
     # mu_dtype / nu_dtype only change how the moments are stored: optax computes the update from the unrounded ones.
     adamw = optax.adamw(_schedule(peak, warmup_steps, total_steps, min_lr_ratio), b1=b1, b2=b2, eps=1e-8,
                         mu_dtype=None if mu_dtype is None else jnp.dtype(mu_dtype),
                         weight_decay=weight_decay, mask=_decay_mask)
     if nu_dtype is not None:
-        adamw = with_adam_nu_dtype(adamw, nu_dtype, nu_rounding)
+        adamw = with_adam_nu_dtype(adamw, nu_dtype)
     if grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
     return adamw
@@ -156,10 +156,10 @@ def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, cast: Com
 
 
 def with_head_bias(state: TrainState, values: np.ndarray) -> TrainState:
-    """`state` with the output head's bias (`ModelConfig.head_bias`) set to `values` (V,), laid out as
+    """`state` with the output head's bias (the router recipe's `head_bias`) set to `values` (V,), laid out as
     the one it replaces (any mesh, any number of processes); the optimizer's moments stay zero."""
     if "head_bias" not in state.params:
-        raise ValueError("the model has no output head bias (ModelConfig.head_bias is 'none')")
+        raise ValueError("the model has no output head bias (its router recipe's head_bias is 'none')")
     old = state.params["head_bias"][...]
     values = np.asarray(values, old.dtype)
     if values.shape != old.shape:
@@ -201,7 +201,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
             if split:  # the same pass writes hi (the next forward's weights), lo and the moments
                 params, low = split_params(params, cast.paths)
             compute = None if cast is None or split else compute_copy(params, cast)  # fused with the update's pass
-        # Aux-loss-free balancing: the bias moves toward the mean load (router_bias_update) after the weight update.
+        # Aux-loss-free balancing: the bias moves toward the mean load (the recipe's bias_update) after the weight update.
         # Non-Param state as the forward left it (router_center_ema's running means; else state.extra).
         model = _merge(graphdef, params, nnx.split(forward, nnx.Param, ...)[2])
         rate = bias_rate(state.step) if callable(bias_rate) else bias_rate  # the schedule of router.bias_rate_at
