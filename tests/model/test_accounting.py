@@ -3,6 +3,7 @@
 import pytest
 
 from turbo_moe.model import count_params, flops_per_token, get_config
+from turbo_moe.model.accounting import count_params_from_shapes, mtp_active_params
 
 
 def closed_form_counts(c):
@@ -27,13 +28,17 @@ def closed_form_counts(c):
 
 @pytest.mark.parametrize("name, overrides", [
     ("tiny", {}), ("tiny", dict(q_lora_rank=0, tie_embeddings=True, mtp_depth=2, n_shared_experts=2)),
-    ("small", {}), ("reduced", {}), ("reduced", dict(router_recipe="deepseek_v3"))])
-def test_counts_match_closed_form(name, overrides):
+    ("tiny", dict(n_shared_experts=0, mtp_depth=0, n_dense_layers=0)), ("small", {}), ("reduced", {}),
+    ("reduced", dict(router_recipe="deepseek_v3")), ("deepseek_v3_671b", {})])
+def test_counts_match_closed_form_and_the_models_shapes(name, overrides):
     cfg = get_config(name, **overrides)
     counts = count_params(cfg)
     for key, value in closed_form_counts(cfg).items():
         assert counts[key] == value, key
+    assert count_params_from_shapes(cfg) == counts  # the library's arithmetic is the model's (eval_shape)
     assert counts["total_with_mtp"] == counts["total"] + counts["mtp_own"]
+    expert = 3 * cfg.d_model * cfg.moe_ffn_dim
+    assert mtp_active_params(cfg) == counts["mtp_own"] - cfg.mtp_depth * (cfg.n_experts - cfg.top_k) * expert
 
 
 def test_reduced_is_sized_for_one_gpu():
