@@ -153,6 +153,26 @@ def test_each_set_holds_its_forwards_gradients(name):
         np.testing.assert_allclose(act[:17], jax.nn.silu(out[:17, :5]) * out[:17, 5:], rtol=1e-5, atol=1e-5)
 
 
+
+def test_fp8_set_runs_the_block_within_fp8_error():
+    """Adding a GEMM is one set: the FP8 grouped GEMM (E4M3, 128-wide scale tiles, so D = F = 128) in the same block.
+    Its error against float32 is FP8's, and its gradients come through its own VJP (the kernel's exactness against
+    the quantised products is tests/ops/test_grouped_gemm_fp8.py's)."""
+    args, cotangent = make_case("dropped", d=128, f=128)
+    block = lambda *a: ops.expert_block(*a, gemms="fp8")
+    y, _ = jax.jit(block)(*args)
+    want = reference(*args)
+    scale = float(jnp.max(jnp.abs(want)))
+    error = float(jnp.max(jnp.abs(y - want))) / scale
+    assert 1e-4 < error < 0.08  # FP8 rounding shows (not a float32 GEMM), and stays within its bound
+    got_loss, got_grads = loss_and_grads(block, args, cotangent, F32)
+    want_loss, want_grads = loss_and_grads(reference, args, cotangent, F32)
+    errors = {name: float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) for name, g, w in zip(NAMES, got_grads, want_grads)}
+    # Relative (Frobenius) error of each gradient: ~6% (two FP8 GEMMs and the E4M3 output gradient in a chain),
+    # ~10% for combine_w (a dot product of the FFN's output, itself two FP8 GEMMs deep, with the cotangent).
+    assert all(1e-4 < e < 0.15 for e in errors.values()), errors
+    assert np.all(np.asarray(got_grads[0][0]) == 0)  # token 0 lost every copy: no gradient reaches it
+
 def test_einsum_set_multiplies_capacity_slots():
     gemms = GEMM_SETS["einsum"]
     slots, w = jax.random.normal(jax.random.key(0), (3, 2, 4, 6)), jax.random.normal(jax.random.key(1), (3, 6, 5))

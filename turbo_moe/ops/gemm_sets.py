@@ -14,6 +14,9 @@ A set holds the forward GEMM, its data and weight gradients and, optionally, the
 - `ragged_dot`: `jax.lax.ragged_dot` (XLA; dense expansion on the GPU).
 - `pallas`: jax's Pallas Mosaic-GPU `ragged_dot_mgpu` (`pallas_gemm`; Hopper only).
 - `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None (dense_cf).
+- `fp8`: `grouped_gemm_fp8` (E4M3 with DeepSeek-V3's 1x128 / 128x128 scales; the CUTLASS kernel on Hopper, exact
+  emulation elsewhere), gradients in FP8 through its VJP; K and N multiples of 128. Not yet a training path: the
+  quantisation is not fused into the permute and SwiGLU (docs/notes/fp8.md).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
+from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops import pallas_gemm
 
@@ -95,6 +99,11 @@ def _einsum_forward(slots, w, group_sizes, zero_tail=True):
     return jnp.einsum("ebck,ekn->ebcn", slots, w)  # (E, B, C, K) x (E, K, N) -> (E, B, C, N)
 
 
+def _fp8_forward(rows, w, group_sizes, zero_tail=True):
+    del zero_tail  # rows past the groups are written as zeros
+    return grouped_gemm_fp8(rows, w, group_sizes)  # (M, K) x (E, K, N) -> (M, N), FP8 products, float32 sums
+
+
 def _set(name, forward, **kw) -> GemmSet:
     data_grad, weight_grad = gradients_by_autodiff(forward)
     return GemmSet(name, forward, kw.pop("data_grad", data_grad), kw.pop("weight_grad", weight_grad), **kw)
@@ -106,6 +115,7 @@ GEMM_SETS: dict[str, GemmSet] = {s.name: s for s in (
     _set("ragged_dot", _ragged_dot_forward),
     _set("pallas", _pallas_forward, device_problem=_pallas_problem),
     _set("einsum", _einsum_forward),
+    _set("fp8", _fp8_forward),
 )}
 
 
