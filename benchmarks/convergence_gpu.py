@@ -76,7 +76,7 @@ class RunSpec:
 
     @property
     def analysis_path(self) -> str:  # what the penalty compares: dense_cf's drops, however they were run
-        return "turbo" if self.drops_as is None else "dense_cf"
+        return self.path if self.drops_as is None else "dense_cf"
 
 
 def plan(paths: list[tuple[str, float]], seeds: list[int], drops_on: str) -> list[RunSpec]:

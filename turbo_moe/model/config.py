@@ -15,7 +15,8 @@ from typing import Any, Mapping
 from turbo_moe.model.router_recipes import RECIPE_FIELDS, ROUTER_RECIPE_NAMES, ROUTER_RECIPES, RouterRecipe
 from turbo_moe.model.router_recipes import recipe_named_by
 
-MOE_PATHS = ("dense_cf", "ragged", "turbo", "pallas")  # each has its rows in turbo_moe.model.paths.PATHS
+MOE_PATHS = ("dense_cf", "ragged", "turbo", "pallas", "turbo_fp8")  # each has its rows in turbo_moe.model.paths.PATHS
+FP8_BLOCK = 128  # turbo_fp8: its GEMMs scale FP8 in 128-wide tiles, so d_model and moe_ffn_dim are multiples
 EP_EXCHANGES = ("deepep", "ragged_all_to_all")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -344,6 +345,10 @@ def _validate(c: ModelConfig) -> None:
     _require(c.dtype in COMPUTE_DTYPES, "dtype", f"got {c.dtype!r}; expected one of {COMPUTE_DTYPES}")
     _require(c.moe_path != "pallas" or c.dtype in ("bfloat16", "float16"), "dtype",
              f"moe_path='pallas' (Mosaic-GPU wgmma kernels) computes in bfloat16 or float16, got {c.dtype!r}")
+    for name in ("d_model", "moe_ffn_dim"):  # the expert GEMMs' K and N (gate/up: d_model -> 2F, down: F -> d_model)
+        _require(c.moe_path != "turbo_fp8" or getattr(c, name) % FP8_BLOCK == 0, name,
+                 f"moe_path='turbo_fp8' (FP8 grouped GEMMs with {FP8_BLOCK}-wide scale tiles) needs a multiple of "
+                 f"{FP8_BLOCK}, got {getattr(c, name)}")
     _require(c.param_dtype in PARAM_DTYPES, "param_dtype",
              f"got {c.param_dtype!r}; expected one of {PARAM_DTYPES}")
     _require(c.remat_policy in REMAT_POLICIES, "remat_policy",

@@ -53,6 +53,9 @@ PATHS: dict[tuple[str, str], PathRow] = {
     ("pallas", ONE_DEVICE):             PathRow("permute",  None,                "pallas"),
     ("pallas", "deepep"):               PathRow("permute",  "deepep",            "pallas"),
     ("pallas", "ragged_all_to_all"):    PathRow("permute",  "ragged_all_to_all", "pallas"),
+    ("turbo_fp8", ONE_DEVICE):          PathRow("permute",  None,                "fp8"),
+    ("turbo_fp8", "deepep"):            PathRow("permute",  "deepep",            "fp8"),
+    ("turbo_fp8", "ragged_all_to_all"): PathRow("permute",  "ragged_all_to_all", "fp8"),
 }
 DROPLESS_PATHS = tuple(p for p in MOE_PATHS if PATHS[(p, ONE_DEVICE)].exchange != "capacity")
 
