@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.normal_init import normal
 from turbo_moe.model.sharding import EXPERT_AXIS
 
 
@@ -49,7 +50,7 @@ class RoutedExperts(nnx.Module):
     """The E routed SwiGLU experts' parameters (fused gate+up, down)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(cfg.init_std)
+        init = normal(cfg.init_std)
         e, d, f = cfg.n_experts, cfg.d_model, cfg.moe_ffn_dim
         dtype = jnp.dtype(cfg.param_dtype)
         # The expert dim is declared for sharding (turbo_moe.model.sharding): split over "expert".

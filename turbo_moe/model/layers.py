@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.normal_init import normal
 
 
 def compute_dtype(cfg: ModelConfig):
@@ -29,14 +30,14 @@ def linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, **kwargs) ->
     """Bias-free projection with the model's init, param dtype and compute dtype."""
     return nnx.Linear(
         d_in, d_out, use_bias=False, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
-        kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs, **kwargs)
+        kernel_init=normal(cfg.init_std), rngs=rngs, **kwargs)
 
 
 def out_projection(cfg: ModelConfig, d_in: int, rngs: nnx.Rngs) -> nnx.Linear:
     """A block's projection back into the residual stream (attention and SwiGLU `wo`): zero at init with
     the router recipe's `zero_init_out_proj` (it draws its random key either way, so no other parameter changes)."""
     zero = cfg.router.zero_init_out_proj
-    kernel_init = nnx.initializers.zeros_init() if zero else nnx.initializers.normal(cfg.init_std)
+    kernel_init = nnx.initializers.zeros_init() if zero else normal(cfg.init_std)
     return nnx.Linear(d_in, cfg.d_model, use_bias=False, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
                       kernel_init=kernel_init, rngs=rngs)
 

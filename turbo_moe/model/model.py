@@ -14,6 +14,7 @@ from flax import nnx
 
 from turbo_moe.model.chunked_loss import chunked_cross_entropy
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.normal_init import normal
 from turbo_moe.model.embedding import lookup
 from turbo_moe.model.layers import RMSNorm, compute_dtype, linear, rope_tables
 from turbo_moe.model.router import RouterBias, updated_bias
@@ -61,7 +62,7 @@ class DeepSeekModel(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=compute_dtype(cfg),
                                param_dtype=jnp.dtype(cfg.param_dtype),
-                               embedding_init=nnx.initializers.normal(cfg.embedding_std), rngs=rngs)
+                               embedding_init=normal(cfg.embedding_std), rngs=rngs)
         n_dense, n_moe = cfg.n_dense_layers, cfg.n_moe_layers
         self.dense_layers = BlockStack(cfg, 0, n_dense, rngs) if n_dense else None
         self.moe_layers = BlockStack(cfg, n_dense, n_moe, rngs) if n_moe else None

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.normal_init import normal
 from turbo_moe.model.mesh import batch_sharded
 from turbo_moe.ops.router_topk import SEQ_LOAD_PRIOR_TOKENS, router_topk
 
@@ -188,7 +189,7 @@ class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         # Stored as gate / lr_scale (see RouterRecipe.lr_scale); `gate()` is the effective one.
-        init = nnx.initializers.normal(cfg.router_std / cfg.router.lr_scale)
+        init = normal(cfg.router_std / cfg.router.lr_scale)
         self.kernel = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_experts), jnp.dtype(cfg.param_dtype)))
         self.bias = RouterBias(jnp.zeros((cfg.n_experts,), jnp.float32))
 

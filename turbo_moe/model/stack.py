@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.normal_init import vmap_layers
 from turbo_moe.model.ep_exchange import EP_RECEIVED_NAME
 from turbo_moe.model.experts import RoutedExperts
 from turbo_moe.model.layers import ATTENTION_SAVE_NAME, MLAttention, RMSNorm, SwiGLU
@@ -107,7 +108,7 @@ class BlockStack(nnx.Module):
             return nnx.state(DecoderBlock(cfg, first_layer, nnx.Rngs(params=key)))
 
         # One vmapped constructor: the init program holds one RNG kernel per parameter, not per layer.
-        stacked = jax.vmap(new_block_state)(jax.random.split(rngs.params(), n_blocks))
+        stacked = vmap_layers(new_block_state, jax.random.split(rngs.params(), n_blocks))
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderBlock(cfg, first_layer, nnx.Rngs(params=0))))
         self.blocks = nnx.merge(graphdef, with_leading_axis(stacked, LAYER_AXIS))
 

@@ -124,10 +124,14 @@ class InitProgram:
     generator and lowering the program uses ("rng", "lowering": "kernel" or "default") and why.
     """
 
-    def __init__(self, jitted: Callable, mode: str = "auto", *, devices: int = 1):
+    def __init__(self, jitted: Callable, mode: str = "auto", *, devices: int = 1, one_draw: Callable | None = None):
+        """`one_draw`: the same init with every normal parameter sliced from one draw (model/normal_init.py), jitted
+        like `jitted`; the Philox program on the CPU runs it (one random call site to compile instead of one a
+        parameter kind)."""
         if mode not in MODES:
             raise ValueError(f"InitProgram mode: must be one of {MODES}, got {mode!r}")
         self.jitted = jitted
+        self.one_draw = one_draw
         self.mode = mode
         self.last_choice: dict[str, Any] = {}
         # Philox does not lower on outputs sharded over several CPU devices (see _cpu_compile): a program over a
@@ -149,11 +153,18 @@ class InitProgram:
         """The key the init program draws from (see the class docstring)."""
         return cpu_key(key) if self._cheap_rng(key) else key
 
+    def _program(self, program_key) -> Callable:
+        """The jitted init that `program_key` runs: the one-draw init for the CPU's Philox key, where given."""
+        if self.one_draw is not None and not isinstance(program_key, jax.core.Tracer) \
+                and str(jax.random.key_impl(program_key)) == CPU_RNG:
+            return self.one_draw
+        return self.jitted
+
     def lower(self, key, *, kernel: bool | None = None):
         use = self.mode != "off" and self._gpu if kernel is None else kernel
         program_key = self.program_key(key)
         with _threefry_kernel(use):
-            lowered = self.jitted.lower(program_key)
+            lowered = self._program(program_key).lower(program_key)
         if program_key is not key and not _lowers(lowered):  # see _cpu_compile
             self._philox_unlowerable = True
             with _threefry_kernel(use):
@@ -198,7 +209,7 @@ class InitProgram:
         """The init on the CPU (or a GPU-less jaxlib), with CPU_COMPILER_OPTIONS where the backend is the CPU.
         XLA:CPU cannot lower Philox's mulhi on an output sharded over several devices (jax 0.10.2: "failed to
         legalize mhlo.unknown"): None then, and program_key draws from threefry from now on (last_choice says why)."""
-        lowered = self.jitted.lower(key)
+        lowered = self._program(key).lower(key)
         try:
             compiled = compile_on_cpu(lowered) if jax.default_backend() == "cpu" else lowered.compile()
         except jax.errors.JaxRuntimeError as error:
@@ -209,6 +220,8 @@ class InitProgram:
             return None
         why = self._threefry_why if _is_threefry(key) and self.mode == "auto" else "not a GPU"
         self.last_choice = {"rng": str(jax.random.key_impl(key)), "lowering": "default", "why": why}
+        if self._program(key) is self.one_draw:
+            self.last_choice["normal_draws"] = "one"
         return compiled
 
     def _default(self, key, why: str):

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_bias
+from turbo_moe.model import normal_init
 from turbo_moe.model.mesh import MESH_AXES, make_mesh  # noqa: F401  (make_mesh: re-exported)
 from turbo_moe.model.router import bias_rate_at
 from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train state's layout, re-exported)
@@ -153,6 +154,17 @@ def _init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, cast: Com
         return TrainState(jnp.zeros((), jnp.int32), params, extra, opt_state, compute)
 
     return new_model, create
+
+
+def _with_one_normal_draw(create):
+    """`create` with every normal parameter sliced from one draw (turbo_moe/model/normal_init.py); the draw's size
+    is counted when the program is traced, so a run that never uses it pays nothing."""
+
+    def create_one_draw(key) -> TrainState:
+        with normal_init.one_draw(key, normal_init.count_normal(create, key)):
+            return create(key)
+
+    return create_one_draw
 
 
 def with_head_bias(state: TrainState, values: np.ndarray) -> TrainState:
@@ -296,7 +308,9 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
                                   shapes, state_sharding)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
-    init = InitProgram(jax.jit(create, out_shardings=state_sharding, compiler_options=options), devices=mesh.size)
+    init = InitProgram(jax.jit(create, out_shardings=state_sharding, compiler_options=options), devices=mesh.size,
+                       one_draw=jax.jit(_with_one_normal_draw(create), out_shardings=state_sharding,
+                                        compiler_options=options))
     bias_rate = functools.partial(bias_rate_at, model_cfg)
     train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate, cast), mesh),
                     in_shardings=(state_sharding, data_sharding),
