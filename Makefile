@@ -97,7 +97,7 @@ cuda-check: cuda
 # tests on one worker, so a module-scoped fixture (a training run, the fault campaign, JupyterLab) runs once.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as a failure"; fi; exit $$rc
 
 # --force: a fresh machine measures its own CPU points (the committed rows are kept in the table);

@@ -7,6 +7,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  (after the flags above)
 import pytest  # noqa: E402
 
+# XLA's CPU optimisations off: the tests' programs are tiny, compiling them is most of the suite's time, and it takes
+# about half as long this way. Results may differ from an optimised build's in the last bit; a test whose claim is
+# bit-identity between two programs of the optimised build turns them back on (tests/train/test_split_master.py).
+# GPU runs (JAX_PLATFORMS=cuda,...) keep them.
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    jax.config.update("jax_disable_most_optimizations", True)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def persistent_compilation_cache(tmp_path_factory):

@@ -31,10 +31,11 @@ CF = 1.25
 
 
 def _ep_cases():
-    """One case per distinct expert-parallel row of the table (dense_cf and ragged ignore ep_exchange)."""
+    """One case per distinct expert-parallel row of the table (dense_cf and ragged ignore ep_exchange). The FP8 GEMM
+    set needs 128-wide experts, past these cases' sizes; its exchanges are turbo's rows, tested here."""
     rows = {}
     for (path, exchange), row in PATHS.items():
-        if exchange != ONE_DEVICE and row not in rows.values():
+        if exchange != ONE_DEVICE and row not in rows.values() and row.gemm != "fp8":
             rows[(path, exchange)] = row
     return [pytest.param(path, exchange, marks=needs(row)) for (path, exchange), row in rows.items()]
 

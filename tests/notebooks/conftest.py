@@ -33,9 +33,11 @@ def kernel(tmp_path_factory):
         mp.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         # tests/conftest.py fakes 8 host devices for multi-device tests; a notebook kernel should see
         # one CPU device, like a user's session (8 devices would multiply the global batch by 8).
+        # XLA's CPU optimisations off, as in this process (tests/conftest.py): compiles take about half as long.
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
-        mp.setenv("XLA_FLAGS", " ".join(flags))
+        mp.setenv("XLA_FLAGS", " ".join(flags + ["--xla_backend_optimization_level=0",
+                                                 "--xla_llvm_disable_expensive_passes=true"]))
         # One compilation cache for this session's kernels, empty at the start: nbval's re-run of a notebook that
         # papermill just executed loads its programs instead of compiling them again.
         mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("kernel_jax_cache")))

@@ -25,6 +25,19 @@ QUIET = 0x00400000  # float32's quiet-nan bit
 _round_trip = jax.jit(lambda x: (*split(x), join(*split(x))))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def optimised_build():
+    """Bit for bit between two programs is a claim about the optimised build users run: XLA's optimisations, off for
+    the rest of the suite (tests/conftest.py), are on here (with jax's in-memory caches cleared,
+    which do not key on it)."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+    jax.clear_caches()
+
+
 def _bits(x) -> np.ndarray:
     return np.asarray(x).view(np.uint32 if np.asarray(x).dtype == np.float32 else np.uint16)
 
