@@ -253,17 +253,28 @@ def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
             **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len)}
 
 
-def full_model_table(
-    cfg: ModelConfig, mesh: MeshShape, per_device_batch: int, seq_len: int, paths=MOE_PATHS
-) -> pd.DataFrame:
-    """One row per path: FLOPs per token and memory per device (GiB) for this mesh.
+def paths_for(cfg: ModelConfig) -> tuple[str, ...]:
+    """The MoE paths `cfg` can run: `turbo_fp8` needs 128-wide experts, `pallas` a bfloat16/float16 dtype."""
+    usable = []
+    for path in MOE_PATHS:
+        try:
+            cfg.replace(moe_path=path)
+        except ValueError:
+            continue
+        usable.append(path)
+    return tuple(usable)
 
-    ``cfg`` with each path must be a valid config: ``pallas`` needs a bfloat16/float16 ``cfg.dtype``.
+
+def full_model_table(
+    cfg: ModelConfig, mesh: MeshShape, per_device_batch: int, seq_len: int, paths=None
+) -> pd.DataFrame:
+    """One row per path (default: every path `cfg` can run, `paths_for`): FLOPs per token and memory per device
+    (GiB) for this mesh. ``cfg`` with each path given must be a valid config.
     """
     states = state_bytes_per_device(cfg, mesh)
-    useful = flops_per_token(cfg, seq_len)  # path-independent; the abstract model is built once
+    useful = flops_per_token(cfg, seq_len)  # path-independent
     rows = []
-    for path in paths:
+    for path in paths_for(cfg) if paths is None else paths:
         path_cfg = cfg.replace(moe_path=path)
         flops = flops_per_token_by_path(path_cfg, seq_len, path, useful=useful)
         acts = activation_bytes_per_device(path_cfg, path, mesh, per_device_batch, seq_len)
