@@ -49,6 +49,12 @@ def _router(name, message, sel=(2, 3, 8), bias=(8,), ids=(2, 3, 2), **attrs):
     return Case(name, "turbo_moe_router_topk", (spec(sel, F32), spec(bias, F32)), (spec(ids, I32),), message, kw)
 
 
+def _permute_fp8(name, message, h=128, xdt=F32, qdt=jnp.float8_e4m3fn, scale=None):
+    operands = (spec((4, h), xdt), spec((4, 2), I32), spec((3,), I32))
+    results = (spec((8, h), qdt), spec(scale or (8, max(h // 128, 1)), F32))
+    return Case(name, "turbo_moe_permute_fp8", operands, results, message, dict(zero_tail=True))
+
+
 def _dispatch(name, message, x=(4, 8), ids=(4, 2), xdt=F32, sx=(2, 3, 8), sxdt=F32, P=2, El=2, C=3, counts=(2,)):
     operands = (spec(x, xdt), spec(ids, I32), spec(ids, F32))
     k = ids[-1]
@@ -132,6 +138,13 @@ CASES = [
          dict(zero_tail=True)),
     Case("permute_rows_out", "turbo_moe_permute_rows", (spec((4, 8), F32), spec((4, 2), I32), spec((3,), I32)),
          (spec((4, 8), F32),), "permute_rows: x_sorted must be [..., T*k, H]", dict(zero_tail=True)),
+    # ---- permute_fp8: x (T, H), row_index (T, k), group_sizes (E,) -> q (T*k, H) e4m3fn, scale (T*k, H/128) f32
+    _permute_fp8("permute_fp8_dtype", "permute_fp8: x must be float32/bfloat16/float16", xdt=jnp.int32),
+    _permute_fp8("permute_fp8_out_dtype", "permute_fp8: q must be float8_e4m3fn and scale float32", qdt=BF16),
+    _permute_fp8("permute_fp8_width", "permute_fp8: x's H must be a positive multiple of 128 (the FP8 scale tiles), "
+                 "got H=100", h=100),
+    _permute_fp8("permute_fp8_results", "permute_fp8: expected results q [..., T*k, H] and scale [..., T*k, H/128]",
+                 scale=(8, 2)),
     # ---- unpermute: y (R, H), row_index (T, k), weights (T, k) -> out (T, H)
     Case("unpermute_dtype", "turbo_moe_unpermute", (spec((8, 4), F32), spec((4, 2), I32), spec((4, 2), F32)),
          (spec((4, 4), BF16),), "unpermute: y must be float32/bfloat16/float16 and out the same dtype"),

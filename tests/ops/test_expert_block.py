@@ -3,6 +3,8 @@ outputs and gradients against a float32 reference built from jnp ops (dropped co
 not multiples of 8), the block against its pieces differentiated by autodiff, each set's gradients against its
 forward's VJP, a set defined outside the table, and errors that name the argument."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +174,20 @@ def test_fp8_set_runs_the_block_within_fp8_error():
     # ~10% for combine_w (a dot product of the FFN's output, itself two FP8 GEMMs deep, with the cotangent).
     assert all(1e-4 < e < 0.15 for e in errors.values()), errors
     assert np.all(np.asarray(got_grads[0][0]) == 0)  # token 0 lost every copy: no gradient reaches it
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_set_quantising_in_the_permute_changes_no_bit(dtype):
+    """The fp8 set's permute_forward (rows quantised in the permute's copy) against the same set quantising the
+    permuted rows with XLA: the same values and gradients bit for bit."""
+    args, cotangent = make_case("dropped", d=128, f=128)
+    fp8 = GEMM_SETS["fp8"]
+    unfused = dataclasses.replace(fp8, permute_forward=None)
+    assert fp8.permute_forward is not None
+    got = loss_and_grads(lambda *a: ops.expert_block(*a, gemms=fp8), args, cotangent, dtype)
+    want = loss_and_grads(lambda *a: ops.expert_block(*a, gemms=unfused), args, cotangent, dtype)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 def test_einsum_set_multiplies_capacity_slots():
     gemms = GEMM_SETS["einsum"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests import reference
-from turbo_moe.ops import grouped_gemm_fp8
+from turbo_moe.ops import grouped_gemm_fp8, grouped_gemm_fp8_quantized
 from turbo_moe.ops.grouped_gemm_fp8 import (
     dequantize_blocks,
     dequantize_rows,
@@ -214,6 +214,40 @@ def test_bfloat16_in_and_out_dtypes():
     dx, dw = jax.jit(jax.grad(lambda a, b: grouped_gemm_fp8(a, b, gs).astype(jnp.float32).sum(), (0, 1)))(x, w)
     assert dx.dtype == dw.dtype == jnp.bfloat16
     assert rel_err(out, reference.grouped_gemm(x.astype(jnp.float32), w.astype(jnp.float32), sizes)) < E4M3_BOUND
+
+
+# ---- rows quantised beforehand (permute_fp8's output) -------------------------------------------------------------
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]])
+def test_quantized_rows_forward_bit_identical_and_weight_gradient(case):
+    x, w, sizes = inputs(case, jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+    q, s = quantize_rows(x)
+    out = jax.jit(grouped_gemm_fp8_quantized)(q, s, w, gs)
+    assert out.dtype == jnp.bfloat16  # rhs's dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jax.jit(grouped_gemm_fp8)(x, w, gs),
+                                                                          np.float32))
+    d_out = np.random.default_rng().standard_normal(out.shape).astype(np.float32)
+    dw = jax.jit(jax.grad(lambda b: jnp.sum(grouped_gemm_fp8_quantized(q, s, b, gs).astype(jnp.float32) * d_out)))(w)
+    assert dw.dtype == jnp.bfloat16 and dw.shape == w.shape
+    # exact emulation: the dequantised FP8 rows quantised again per 128x1 group tile (the cached-FP8 recipe)
+    x_deq = np_dequant_rows(np.asarray(q).astype(np.float32), np.asarray(s))
+    d_bf16 = np.asarray(jnp.asarray(d_out, jnp.bfloat16), np.float32)  # the cotangent arrives in bfloat16
+    want = reference.weight_grad(np_dequant_group_columns(x_deq, sizes), np_dequant_group_columns(d_bf16, sizes),
+                                 sizes)
+    assert rel_err(dw, want) < 1e-2  # bfloat16 result
+    assert rel_err(dw, reference.weight_grad(np.asarray(x, np.float32), d_out, sizes)) < E4M3_BOUND * 1.5
+
+
+def test_quantized_rows_bad_input():
+    x, w, gs = jnp.ones((8, 128)), jnp.ones((2, 128, 128)), jnp.array([4, 4], jnp.int32)
+    q, s = quantize_rows(x)
+    with pytest.raises(TypeError, match="lhs_q must be float8_e4m3fn"):
+        grouped_gemm_fp8_quantized(x, s, w, gs)
+    with pytest.raises(ValueError, match=r"lhs_scale must be float32 \(M, K/128\) = \(8, 1\)"):
+        grouped_gemm_fp8_quantized(q, s[:4], w, gs)
+    with pytest.raises(ValueError, match=r"rhs \(G, K, N\) has K=256 but lhs_q"):
+        grouped_gemm_fp8_quantized(q, s, jnp.ones((2, 256, 128)), gs)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------

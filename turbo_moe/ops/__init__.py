@@ -11,7 +11,8 @@ CPU handlers always; CUDA handlers when built.
   GEMM set (GemmSet: forward, data and weight gradients, optionally the fused gate/up + SwiGLU; GEMM_SETS holds them);
   expert_ffn: the same FFN on expert-sorted rows, differentiated by autodiff.
 - permute / unpermute: single-device dispatch/combine, each other's transposes; permute_rows: a permute's
-  copy step again for new rows (its row index and group sizes known).
+  copy step again for new rows (its row index and group sizes known); permute_fp8: the permute writing FP8 rows
+  with their 1x128 scales (grouped_gemm_fp8_quantized's lhs), quantised in the copy.
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
 - router_topk: the router's group-limited top-k with the causal sequence load penalty fused in.
 - segment_sum: rows summed by id, sorted and deterministic (no atomics): drop-in for jax.ops.segment_sum.
@@ -24,11 +25,12 @@ from turbo_moe.ops.gemm_sets import GEMM_SETS, GemmSet
 from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
-from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8
+from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8, grouped_gemm_fp8_quantized
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops.ragged_dot_general import ragged_dot_general
 from turbo_moe.ops.swiglu_combine_grad import swiglu_combine_grad
 from turbo_moe.ops.permute import PermuteHandle, permute, permute_rows
+from turbo_moe.ops.permute_fp8 import permute_fp8, permute_rows_fp8
 from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
 from turbo_moe.ops.router_topk import router_topk
 from turbo_moe.ops.segment_sum import segment_sum
@@ -45,10 +47,13 @@ __all__ = [
     "grouped_gemm_weight_grad",
     "ragged_dot_general",
     "grouped_gemm_fp8",
+    "grouped_gemm_fp8_quantized",
     "grouped_gemm_swiglu",
     "swiglu_combine_grad",
     "permute",
     "permute_rows",
+    "permute_fp8",
+    "permute_rows_fp8",
     "unpermute",
     "PermuteHandle",
     "moe_dispatch",

@@ -161,25 +161,36 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
 def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms):
     fused = gemms.gate_up_swiglu is not None
     zero_tail = not fused  # the fused kernels leave every buffer's rows past the groups unwritten
-    with jax.named_scope("permute"):
-        rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts, zero_tail)[:3]
-    group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
-    if fused:
-        with jax.named_scope("grouped_gemm"):
-            h, act = gemms.gate_up_swiglu(rows, w_gate_up, group_sizes)  # (T*k, 2F), (T*k, F)
-        # Named without `saved`'s barrier: h's one reader is its write into the scan's residual stack, which XLA's
-        # dynamic-slice fusion then does in place, from inside the FFI call (no clone: act is the call's own output).
-        h = checkpoint_name(h, EXPERT_SAVE_NAMES[1])
-    else:
-        with jax.named_scope("grouped_gemm"):
-            h = saved(gemms.forward(rows, w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
+    if gemms.permute_forward is not None and not fused:  # the set's own permute (fp8: rows quantised in the copy)
+        h, group_sizes, row_index = gemms.permute_forward(tokens, expert_ids, n_experts, w_gate_up)
+        group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
+        h = saved(h, EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
         with jax.named_scope("swiglu"):
             act = swiglu(h)  # (T*k, F)
+    else:
+        with jax.named_scope("permute"):
+            rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts, zero_tail)[:3]
+        group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
+        h, act = _gate_up(rows, w_gate_up, group_sizes, gemms)
     with jax.named_scope("grouped_gemm"):
         y_rows = gemms.forward(act, w_down, group_sizes, zero_tail)  # (T*k, D): not kept for the backward
     with jax.named_scope("unpermute"):
         y = unpermute_call(y_rows, row_index, combine_w)
     return y, group_sizes, (h, saved(row_index, ROW_INDEX_NAME))
+
+
+def _gate_up(rows, w_gate_up, group_sizes, gemms):
+    """h (T*k, 2F) and act = SwiGLU(h) (T*k, F) from the permuted rows."""
+    if gemms.gate_up_swiglu is not None:
+        with jax.named_scope("grouped_gemm"):
+            h, act = gemms.gate_up_swiglu(rows, w_gate_up, group_sizes)  # (T*k, 2F), (T*k, F)
+        # Named without `saved`'s barrier: h's one reader is its write into the scan's residual stack, which XLA's
+        # dynamic-slice fusion then does in place, from inside the FFI call (no clone: act is the call's own output).
+        return checkpoint_name(h, EXPERT_SAVE_NAMES[1]), act
+    with jax.named_scope("grouped_gemm"):
+        h = saved(gemms.forward(rows, w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
+    with jax.named_scope("swiglu"):
+        return h, swiglu(h)  # (T*k, F)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

@@ -8,6 +8,9 @@ A set holds the forward GEMM, its data and weight gradients and, optionally, the
     weight_grad(lhs (M, K), d_out (M, N), group_sizes) -> (E, K, N): lhs[rows_g]^T @ d_out[rows_g]
     gate_up_swiglu(rows (M, K), w (E, K, 2F), group_sizes) -> (h (M, 2F), act = SwiGLU(h) (M, F)), or None;
         rows past the groups unwritten.
+    permute_forward(tokens (T, K), expert_ids int32 (T, k), E, w (E, K, N)) -> (out (T*k, N), group_sizes (E,),
+        row_index (T, k)), or None: permute + forward for a set that reads its rows in its own format, forward only
+        (`expert_block` uses it; its backward rebuilds the bf16 rows).
 `ops.expert_block` and `ops.expert_ffn` take a set (or its name in GEMM_SETS); adding a GEMM is adding one set.
 
 - `turbo`: `grouped_gemm` (our FFI kernels; CPU and CUDA), with `grouped_gemm_swiglu` fused.
@@ -15,8 +18,9 @@ A set holds the forward GEMM, its data and weight gradients and, optionally, the
 - `pallas`: jax's Pallas Mosaic-GPU `ragged_dot_mgpu` (`pallas_gemm`; Hopper only).
 - `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None (dense_cf).
 - `fp8`: `grouped_gemm_fp8` (E4M3 with DeepSeek-V3's 1x128 / 128x128 scales; the CUTLASS kernel on Hopper, exact
-  emulation elsewhere), gradients in FP8 through its VJP; K and N multiples of 128. Not yet a training path: the
-  quantisation is not fused into the permute and SwiGLU (docs/notes/fp8.md).
+  emulation elsewhere), gradients in FP8 through its VJP; K and N multiples of 128. Its permute_forward quantises the
+  rows in the permute's copy (`permute_fp8`); the down GEMM's input (SwiGLU's output) is quantised by XLA
+  (docs/notes/fp8.md).
 """
 from __future__ import annotations
 
@@ -27,9 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
-from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8
+from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8, grouped_gemm_fp8_quantized
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops import pallas_gemm
+from turbo_moe.ops.permute_fp8 import permute_fp8_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,7 @@ class GemmSet:
     gate_up_swiglu: Callable | None = None
     # Why the default devices cannot run the set, or None: checked at trace time (`unavailable`).
     device_problem: Callable[[], "str | None"] = lambda: None
+    permute_forward: Callable | None = None
 
     def without_fused_swiglu(self) -> "GemmSet":
         """The same GEMMs with SwiGLU left to XLA (`ModelConfig`'s CPU default: its fusion is faster there)."""
@@ -104,6 +110,13 @@ def _fp8_forward(rows, w, group_sizes, zero_tail=True):
     return grouped_gemm_fp8(rows, w, group_sizes)  # (M, K) x (E, K, N) -> (M, N), FP8 products, float32 sums
 
 
+def _fp8_permute_forward(tokens, expert_ids, n_experts, w):
+    with jax.named_scope("permute"):  # the rows are written once, in FP8 with their scales: never in bf16
+        q, scale, group_sizes, row_index = permute_fp8_call(tokens, expert_ids, n_experts)
+    with jax.named_scope("grouped_gemm"):
+        return grouped_gemm_fp8_quantized(q, scale, w, group_sizes), group_sizes, row_index
+
+
 def _set(name, forward, **kw) -> GemmSet:
     data_grad, weight_grad = gradients_by_autodiff(forward)
     return GemmSet(name, forward, kw.pop("data_grad", data_grad), kw.pop("weight_grad", weight_grad), **kw)
@@ -115,7 +128,7 @@ GEMM_SETS: dict[str, GemmSet] = {s.name: s for s in (
     _set("ragged_dot", _ragged_dot_forward),
     _set("pallas", _pallas_forward, device_problem=_pallas_problem),
     _set("einsum", _einsum_forward),
-    _set("fp8", _fp8_forward),
+    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward),
 )}
 
 

@@ -21,6 +21,10 @@ than a C++ handler because the only FP8-specific work on the CPU is elementwise 
 fuses; the product is the existing float32 kernel. E5M2 gradients run the emulated product on every platform (the
 CUDA kernel takes E4M3 only).
 
+`grouped_gemm_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes)` takes rows already quantised per 1x128 tile (by
+`permute_fp8`, in the permute's row copy). Both ops quantise the weights once per call: the forward's blocks, saved,
+are the data gradient's too.
+
 Differences from `grouped_gemm`: K and N must be multiples of 128; no vmap, `group_offset` or `transpose_rhs`; the
 CUDA kernel writes bfloat16, so a float32 result on the GPU carries bfloat16 rounding (the emulated path's float32
 result does not). Rows past sum(group_sizes) are zero.
@@ -191,6 +195,34 @@ def weight_grad_product(lhs_t, lhs_t_scale, d_out_t, d_out_t_scale, group_sizes,
 # ----------------------------------------------------------------------------------------------------------------
 # The op
 
+def _check_rhs(k: int, lhs_name: str, lhs_shape, rhs, group_sizes) -> None:
+    """rhs (G, K, N) and group_sizes (G,) against the rows' K; K and N multiples of 128."""
+    for name, x in (("rhs", rhs), ("group_sizes", group_sizes)):
+        check_array(name, x)
+    _checks.check_rank("rhs", rhs, 3, "(G, K, N)")
+    _checks.check_rank("group_sizes", group_sizes, 1, "(G,)")
+    _checks.check_integer("group_sizes", group_sizes)
+    _checks.float_dtype("rhs", rhs.dtype)
+    n_groups, rhs_k, n = rhs.shape
+    if rhs_k != k:
+        raise ValueError(f"rhs (G, K, N) has K={rhs_k} but {lhs_name} has K={k} ({lhs_name.split()[0]} {lhs_shape}, "
+                         f"rhs {rhs.shape})")
+    if k % BLOCK or k == 0:
+        raise ValueError(f"{lhs_name} must have K a positive multiple of {BLOCK} (the FP8 scale tiles), got K={k}")
+    if n % BLOCK:
+        raise ValueError(f"rhs (G, K, N) must have N a multiple of {BLOCK} (the 128x128 weight blocks), got N={n}")
+    if n_groups == 0:
+        raise ValueError(f"rhs (G, K, N) must hold at least one group, got {rhs.shape}")
+    if group_sizes.shape[0] != n_groups:
+        raise ValueError(f"group_sizes must have shape (G,) = ({n_groups},) to match rhs {rhs.shape}, "
+                         f"got {group_sizes.shape}")
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
 def grouped_gemm_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, grad_dtype=E4M3, impl: str = "auto"):
     """(M, K) x (G, K, N) -> (M, N) in FP8 with DeepSeek-V3's scaling; differentiable in lhs and rhs (custom VJP).
 
@@ -205,32 +237,14 @@ def grouped_gemm_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, grad
     Returns:
       (M, N); rows past sum(group_sizes) are zero. Gradients have lhs's and rhs's dtypes.
     """
-    for name, x in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)):
-        check_array(name, x)
+    check_array("lhs", lhs)
     _checks.check_rank("lhs", lhs, 2, "(M, K)")
-    _checks.check_rank("rhs", rhs, 3, "(G, K, N)")
-    _checks.check_rank("group_sizes", group_sizes, 1, "(G,)")
-    _checks.check_integer("group_sizes", group_sizes)
     _checks.float_dtype("lhs", lhs.dtype)
-    _checks.float_dtype("rhs", rhs.dtype)
-    k = lhs.shape[1]
-    n_groups, rhs_k, n = rhs.shape
-    if rhs_k != k:
-        raise ValueError(f"rhs (G, K, N) has K={rhs_k} but lhs (M, K) has K={k} (lhs {lhs.shape}, rhs {rhs.shape})")
-    if k % BLOCK or k == 0:
-        raise ValueError(f"lhs (M, K) must have K a positive multiple of {BLOCK} (the FP8 scale tiles), got K={k}")
-    if n % BLOCK:
-        raise ValueError(f"rhs (G, K, N) must have N a multiple of {BLOCK} (the 128x128 weight blocks), got N={n}")
-    if n_groups == 0:
-        raise ValueError(f"rhs (G, K, N) must hold at least one group, got {rhs.shape}")
-    if group_sizes.shape[0] != n_groups:
-        raise ValueError(f"group_sizes must have shape (G,) = ({n_groups},) to match rhs {rhs.shape}, "
-                         f"got {group_sizes.shape}")
+    _check_rhs(lhs.shape[1], "lhs (M, K)", lhs.shape, rhs, group_sizes)
     out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype) if preferred_element_type is None else _checks.float_dtype(
         "preferred_element_type", preferred_element_type)
     grad_dtype = _fp8_dtype("grad_dtype", grad_dtype)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    _check_impl(impl)
     return _fp8_gemm(lhs, rhs, _checks.as_int32(group_sizes), jnp.dtype(out_dtype), grad_dtype, impl)
 
 
@@ -241,24 +255,96 @@ def _fp8_gemm(lhs, rhs, group_sizes, out_dtype, grad_dtype, impl):
 
 def _fp8_gemm_fwd(lhs, rhs, group_sizes, out_dtype, grad_dtype, impl):
     lq, ls = quantize_rows(lhs)
-    wq_t, ws = quantize_blocks(rhs, transpose=True)  # (G, N, K): FP8 wgmma reads K-contiguous operands
-    out = rows_product(lq, ls, wq_t, ws, group_sizes, out_dtype=out_dtype, impl=impl)
-    # Residuals: the inputs themselves (the weights are alive anyway; DeepSeek-V3 caches lhs in FP8 instead).
-    return out, (lhs, rhs, group_sizes)
+    out, weights = _quantized_weights_product(lq, ls, rhs, group_sizes, out_dtype, impl)
+    # Residuals: lhs (the weight gradient quantises it per 128x1; DeepSeek-V3 caches it in FP8 instead) and the
+    # quantised weights, which the data gradient reads in their (G, K, N) layout: quantised once per call.
+    return out, (lhs, weights, group_sizes, rhs[:0])
 
 
-def _fp8_gemm_bwd(out_dtype, grad_dtype, impl, res, d_out):
-    lhs, rhs, group_sizes = res
-    m = lhs.shape[0]
-    # Data gradient: d_out (M, N) per 1x128 along N against the same 128x128 weight blocks, read as (G, K, N).
-    dq, ds = quantize_rows(d_out, grad_dtype)
+def _quantized_weights_product(lq, ls, rhs, group_sizes, out_dtype, impl):
+    """rows (lq, ls) x rhs quantised per 128x128 block -> (out, (wq (G, K, N), ws)); the forward kernel reads the
+    blocks K-contiguous, (G, N, K): the same values transposed (a 128x128 block's scale is transpose-invariant)."""
     wq, ws = quantize_blocks(rhs)
-    d_lhs = rows_product(dq, ds, wq, jnp.swapaxes(ws, 1, 2), group_sizes, out_dtype=lhs.dtype, impl=impl)
+    out = rows_product(lq, ls, jnp.swapaxes(wq, 1, 2), ws, group_sizes, out_dtype=out_dtype, impl=impl)
+    return out, (wq, ws)
+
+
+def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, lhs_dtype):
+    """(d_lhs or None, d_rhs) from the forward's quantised weights; lhs (M, K) the rows the weight gradient
+    quantises per 128x1 tile."""
+    wq, ws = weights
+    m = lhs.shape[0]
+    d_lhs = None
+    if lhs_dtype is not None:  # d_out (M, N) per 1x128 along N against the same 128x128 weight blocks, (G, K, N)
+        dq, ds = quantize_rows(d_out, grad_dtype)
+        d_lhs = rows_product(dq, ds, wq, jnp.swapaxes(ws, 1, 2), group_sizes, out_dtype=lhs_dtype, impl=impl)
     # Weight gradient: lhs and d_out per 128x1 tile along the rows, in the group-padded layout.
     lq_t, ls_t = quantize_group_columns(lhs, group_sizes)
     dq_t, ds_t = quantize_group_columns(d_out, group_sizes, grad_dtype)
-    d_rhs = weight_grad_product(lq_t, ls_t, dq_t, ds_t, group_sizes, m, out_dtype=rhs.dtype, impl=impl)
+    d_rhs = weight_grad_product(lq_t, ls_t, dq_t, ds_t, group_sizes, m, out_dtype=rhs_type.dtype, impl=impl)
+    return d_lhs, d_rhs
+
+
+def _fp8_gemm_bwd(out_dtype, grad_dtype, impl, res, d_out):
+    lhs, weights, group_sizes, rhs_type = res
+    d_lhs, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, lhs.dtype)
     return d_lhs, d_rhs, None
 
 
 _fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The op on rows quantised beforehand (by `permute_fp8`, in the permute's copy)
+
+def grouped_gemm_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes, *, preferred_element_type=None, grad_dtype=E4M3,
+                               impl: str = "auto"):
+    """`grouped_gemm_fp8` on rows already quantised per 1x128 tile: (lhs_q, lhs_scale) = quantize_rows(lhs) gives
+    grouped_gemm_fp8(lhs, ...)'s forward bit for bit, without the pass that reads lhs to quantise it.
+
+    Args:
+      lhs_q: float8_e4m3fn (M, K) rows sorted by group, lhs_scale: float32 (M, K/128) (`permute_fp8`'s outputs).
+      rhs, group_sizes, grad_dtype, impl: as `grouped_gemm_fp8`.
+      preferred_element_type: output dtype; default rhs's dtype.
+    Returns:
+      (M, N). Differentiable in rhs (custom VJP): the weight gradient quantises the dequantised FP8 rows per 128x1
+      tile (DeepSeek-V3's cached FP8 activations; `grouped_gemm_fp8` quantises the unquantised rows instead, so the
+      two weight gradients differ by that second rounding). No gradient for the FP8 rows; a caller that needs one runs
+      the data gradient (`GemmSet.data_grad`) on its output gradient.
+    """
+    check_array("lhs_q", lhs_q)
+    check_array("lhs_scale", lhs_scale)
+    _checks.check_rank("lhs_q", lhs_q, 2, "(M, K)")
+    if lhs_q.dtype != E4M3:
+        raise TypeError(f"lhs_q must be float8_e4m3fn (quantize_rows / permute_fp8), got {lhs_q.dtype}")
+    m, k = lhs_q.shape
+    _check_rhs(k, "lhs_q (M, K)", lhs_q.shape, rhs, group_sizes)
+    if lhs_scale.shape != (m, k // BLOCK) or lhs_scale.dtype != F32:
+        raise ValueError(f"lhs_scale must be float32 (M, K/128) = {(m, k // BLOCK)} for lhs_q {lhs_q.shape}, got "
+                         f"{lhs_scale.dtype} {lhs_scale.shape}")
+    out_dtype = rhs.dtype if preferred_element_type is None else _checks.float_dtype(
+        "preferred_element_type", preferred_element_type)
+    grad_dtype = _fp8_dtype("grad_dtype", grad_dtype)
+    _check_impl(impl)
+    return _fp8_gemm_quantized(lhs_q, lhs_scale, rhs, _checks.as_int32(group_sizes), jnp.dtype(out_dtype), grad_dtype,
+                               impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_gemm_quantized(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, grad_dtype, impl):
+    return _quantized_weights_product(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, impl)[0]
+
+
+def _fp8_gemm_quantized_fwd(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, grad_dtype, impl):
+    out, weights = _quantized_weights_product(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, impl)
+    return out, (lhs_q, lhs_scale, weights, group_sizes, rhs[:0])
+
+
+def _fp8_gemm_quantized_bwd(out_dtype, grad_dtype, impl, res, d_out):
+    lhs_q, lhs_scale, weights, group_sizes, rhs_type = res
+    lhs = dequantize_rows(*_materialized(lhs_q, lhs_scale))  # (M, K) float32: the values the forward multiplied
+    _, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, None)
+    return None, None, d_rhs, None
+
+
+_fp8_gemm_quantized.defvjp(_fp8_gemm_quantized_fwd, _fp8_gemm_quantized_bwd)

@@ -1,0 +1,264 @@
+"""The FP8 expert path with its quantisation fused into the permute, against bf16 and the un-fused FP8 op, side by side
+in one process on one GPU (not a test).
+
+Units timed (CUDA events on XLA's stream, warm-up then the median of --reps; benchmarks/grouped_gemm.py's EventTimer),
+each forward ("fwd") and forward + backward ("fwd+bwd", the cotangent given; gradients for tokens and weights):
+  permute+GEMM, tokens (T, K) routed top-k to G experts, (T*k, K) x (G, K, N):
+    bf16        ops.permute + ops.grouped_gemm (the baseline)
+    fp8_old     ops.permute + the FP8 op as it was before the fusion: XLA quantises the rows and the weights each call,
+                the backward quantises the weights again (a copy of the old VJP rules, here)
+    fp8_op      ops.permute + ops.grouped_gemm_fp8 (weights quantised once per call, their blocks saved for the data
+                gradient; rows quantised by XLA)
+    fp8_fused   ops.permute_fp8 (rows quantised in the permute's copy) + ops.grouped_gemm_fp8_quantized; its backward
+                is expert_block's: the bf16 rows rebuilt by permute_rows, the FP8 op's VJP, unpermute
+    permute / permute_fp8 alone (fwd), the copy each GEMM path starts with
+  the whole expert block (permute -> gate/up -> SwiGLU -> down -> unpermute, fwd+bwd), `ops.expert_block` with the
+  GEMM sets "turbo" (bf16, fused SwiGLU kernels), "fp8" and "fp8" without its permute_forward (rows quantised by XLA).
+TFLOP/s count 2*M*K*N per GEMM (3 GEMMs for fwd+bwd; the block: 6*M*D*F forward). Shapes: DeepSeek-V3 G=32 (T=8192,
+top-8, K=7168, N=2048; block D=7168, F=2048) and `reduced` (T=16384, top-6, G=64, K=1280, N=1024; block D=1280,
+F=512); balanced routing (equal group sizes, tokens' experts shuffled). Writes <out>/fp8_expert_path_<device>.csv and
+.json (rows + provenance), rewritten after each unit; a failed unit is a row with its error.
+
+    PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/fp8_expert_path.py --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _records import write_csv
+from grouped_gemm import EventTimer, routing_sizes
+
+from turbo_moe import ops
+from turbo_moe.ops.grouped_gemm_fp8 import (
+    quantize_blocks,
+    quantize_group_columns,
+    quantize_rows,
+    rows_product,
+    weight_grad_product,
+)
+from turbo_moe.ops.permute import _permute_call, permute_rows_call
+from turbo_moe.ops.permute_fp8 import permute_fp8_call
+from turbo_moe.ops.unpermute import unpermute_call
+from turbo_moe.provenance import TABLE_COLUMNS
+from turbo_moe.provenance import collect as collect_provenance
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    T: int  # tokens
+    k: int  # experts per token
+    K: int  # the GEMM's contraction (d_model)
+    N: int  # the GEMM's output width
+    G: int  # experts
+    F: int  # the block's moe_ffn_dim
+
+    @property
+    def M(self) -> int:
+        return self.T * self.k
+
+
+CASES = [Case("dsv3_G32", 8192, 8, 7168, 2048, 32, 2048), Case("reduced_G64", 16384, 6, 1280, 1024, 64, 512)]
+
+
+# ---- the FP8 op before the fusion (its VJP rules as they were), for the side-by-side row ---------------------------
+
+@jax.custom_vjp
+def old_fp8_gemm(lhs, rhs, group_sizes):
+    return _old_fwd(lhs, rhs, group_sizes)[0]
+
+
+def _old_fwd(lhs, rhs, group_sizes):
+    lq, ls = quantize_rows(lhs)
+    wq_t, ws = quantize_blocks(rhs, transpose=True)
+    return rows_product(lq, ls, wq_t, ws, group_sizes, out_dtype=lhs.dtype), (lhs, rhs, group_sizes)
+
+
+def _old_bwd(res, d_out):
+    lhs, rhs, group_sizes = res
+    dq, ds = quantize_rows(d_out)
+    wq, ws = quantize_blocks(rhs)  # the weights quantised again
+    d_lhs = rows_product(dq, ds, wq, jnp.swapaxes(ws, 1, 2), group_sizes, out_dtype=lhs.dtype)
+    lq_t, ls_t = quantize_group_columns(lhs, group_sizes)
+    dq_t, ds_t = quantize_group_columns(d_out, group_sizes)
+    d_rhs = weight_grad_product(lq_t, ls_t, dq_t, ds_t, group_sizes, lhs.shape[0], out_dtype=rhs.dtype)
+    return d_lhs, d_rhs, None
+
+
+old_fp8_gemm.defvjp(_old_fwd, _old_bwd)
+
+
+# ---- permute + GEMM units -----------------------------------------------------------------------------------------
+
+def permuted(gemm):
+    """x (T, K), ids (T, k), w (G, K, N) -> permute then gemm(rows, w, group_sizes)."""
+    def fn(x, ids, w):
+        rows, gs, _ = ops.permute(x, ids, w.shape[0])
+        return gemm(rows, w, gs)
+    return fn
+
+
+@jax.custom_vjp
+def fused_fp8(x, ids, w):
+    return _fused_fwd(x, ids, w)[0]
+
+
+def _fused_fwd(x, ids, w):
+    q, scale, gs, row_index = permute_fp8_call(x, ids, w.shape[0])
+    return ops.grouped_gemm_fp8_quantized(q, scale, w, gs), (x, w, gs, row_index)
+
+
+def _fused_bwd(res, d_out):  # expert_block's recipe: rebuild the bf16 rows, the FP8 op's VJP, unpermute
+    x, w, gs, row_index = res
+    rows = permute_rows_call(x, row_index, gs)
+    _, vjp = jax.vjp(lambda r, b: ops.grouped_gemm_fp8(r, b, gs), rows, w)
+    d_rows, d_w = vjp(d_out)
+    return unpermute_call(d_rows, row_index, jnp.ones(row_index.shape, jnp.float32)), None, d_w
+
+
+fused_fp8.defvjp(_fused_fwd, _fused_bwd)
+
+UNITS = {
+    "bf16": permuted(lambda r, w, gs: ops.grouped_gemm(r, w, gs)),
+    "fp8_old": permuted(old_fp8_gemm),
+    "fp8_op": permuted(lambda r, w, gs: ops.grouped_gemm_fp8(r, w, gs)),
+    "fp8_fused": fused_fp8,
+}
+
+
+def fwd_bwd(fn):
+    def run(x, ids, w, dy):
+        out, vjp = jax.vjp(lambda a, b: fn(a, ids, b), x, w)
+        return (out,) + vjp(dy)
+    return run
+
+
+def block_fwd_bwd(gemms):
+    def run(x, ids, combine_w, w_gate_up, w_down, dy):
+        def f(a, c, wg, wd):
+            return ops.expert_block(a, ids, c, wg, wd, gemms=gemms)[0]
+        out, vjp = jax.vjp(f, x, combine_w, w_gate_up, w_down)
+        return (out,) + vjp(dy)
+    return run
+
+
+def balanced_ids(case: Case) -> np.ndarray:
+    sizes = routing_sizes("balanced", case.M, case.G)
+    ids = np.repeat(np.arange(case.G, dtype=np.int32), sizes)
+    return np.random.default_rng(0).permutation(ids).reshape(case.T, case.k)
+
+
+def measure(timer, fn, args, flops, row, reps):
+    try:
+        ms, temp = timer.time_ms(fn, args, reps[0], reps[1])
+        return row | dict(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1) if flops else None,
+                          extra_mib=round(temp, 1), status="ok")
+    except Exception as e:  # recorded, never fatal: the other units still run
+        return row | dict(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+def run_case(timer, case: Case, args, rows, table):
+    keys = jax.random.split(jax.random.PRNGKey(case.M + case.G), 6)
+    x = jax.random.normal(keys[0], (case.T, case.K), jnp.bfloat16)
+    ids = jnp.asarray(balanced_ids(case))
+    w = jax.random.normal(keys[1], (case.G, case.K, case.N), jnp.bfloat16) / float(np.sqrt(case.K))
+    dy = jax.random.normal(keys[2], (case.M, case.N), jnp.bfloat16)
+    base = dict(case=case.name, T=case.T, k=case.k, M=case.M, K=case.K, N=case.N, G=case.G, routing="balanced")
+    reps = (args.warmup, args.reps)
+    gemm = 2.0 * case.M * case.K * case.N
+    rows.append(measure(timer, lambda a, i: _permute_call(a, i, case.G)[0], (x, ids), 0,
+                        base | dict(unit="permute_gemm", impl="permute", op="fwd"), reps))
+    rows.append(measure(timer, lambda a, i: permute_fp8_call(a, i, case.G)[:2], (x, ids), 0,
+                        base | dict(unit="permute_gemm", impl="permute_fp8", op="fwd"), reps))
+    for impl, fn in UNITS.items():
+        rows.append(measure(timer, fn, (x, ids, w), gemm, base | dict(unit="permute_gemm", impl=impl, op="fwd"), reps))
+        rows.append(measure(timer, fwd_bwd(fn), (x, ids, w, dy), 3 * gemm,
+                            base | dict(unit="permute_gemm", impl=impl, op="fwd+bwd"), reps))
+        write(rows, table, args)
+    try:  # the fused forward is the op's forward bit for bit (the CPU tests prove it on the emulated path)
+        same = bool(jnp.array_equal(jax.jit(UNITS["fp8_fused"])(x, ids, w), jax.jit(UNITS["fp8_op"])(x, ids, w)))
+        rows.append(base | dict(unit="permute_gemm", impl="fp8_fused", op="fwd_equals_fp8_op", status="ok",
+                                same=same))
+    except Exception as e:
+        rows.append(base | dict(unit="permute_gemm", impl="fp8_fused", op="fwd_equals_fp8_op",
+                                status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+    del w, dy
+    # the whole expert block: D = K, gate/up (G, D, 2F), down (G, F, D)
+    w_gate_up = jax.random.normal(keys[3], (case.G, case.K, 2 * case.F), jnp.bfloat16) / float(np.sqrt(case.K))
+    w_down = jax.random.normal(keys[4], (case.G, case.F, case.K), jnp.bfloat16) / float(np.sqrt(case.F))
+    combine_w = jax.nn.softmax(jax.random.normal(keys[5], (case.T, case.k)), axis=-1)
+    dy = jnp.ones((case.T, case.K), jnp.bfloat16)
+    block_flops = 3 * 6.0 * case.M * case.K * case.F
+    sets = {"turbo": "turbo", "fp8": "fp8",
+            "fp8_unfused": dataclasses.replace(ops.GEMM_SETS["fp8"], permute_forward=None)}
+    for impl, gemms in sets.items():
+        rows.append(measure(timer, block_fwd_bwd(gemms), (x, ids, combine_w, w_gate_up, w_down, dy), block_flops,
+                            base | dict(unit="expert_block", impl=impl, op="fwd+bwd", F=case.F), reps))
+        write(rows, table, args)
+    done = [r for r in rows if r.get("case") == case.name]
+    print(f"[{case.name}] " + "  ".join(f"{r['unit']}/{r['impl']}/{r['op']}={r.get('ms', r.get('same', r['status']))}"
+                                        for r in done), flush=True)
+
+
+def summarize(rows) -> list[str]:
+    ok = {(r["case"], r["unit"], r["impl"], r["op"]): r for r in rows if r.get("status") == "ok" and "ms" in r}
+    lines = ["ms (speed-up against bf16):"]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        for unit, op in (("permute_gemm", "fwd"), ("permute_gemm", "fwd+bwd"), ("expert_block", "fwd+bwd")):
+            base = ok.get((case, unit, "turbo" if unit == "expert_block" else "bf16", op))
+            parts = []
+            for (c, u, impl, o), r in ok.items():
+                if (c, u, o) == (case, unit, op):
+                    parts.append(f"{impl}={r['ms']:.3f}" + (f" ({base['ms'] / r['ms']:.2f}x)" if base else ""))
+            lines.append(f"  {case:12s} {unit:13s} {op:8s} " + "  ".join(parts))
+    return lines
+
+
+def write(rows, table: Path, args) -> None:
+    write_csv(rows, table)
+    prov = collect_provenance()
+    record = {"provenance": {**{k: prov[k] for k in TABLE_COLUMNS}, "grouped_gemm": prov["grouped_gemm"],
+                             "params": f"warmup={args.warmup} reps={args.reps} median; balanced routing, shuffled; "
+                                       "timer=cuda events on XLA stream; inputs bf16 N(0,1), w N(0,1/K)"},
+              "rows": rows}
+    table.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results")
+    ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated: " +
+                    ", ".join(c.name for c in CASES))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    if jax.devices()[0].platform != "gpu":
+        raise SystemExit("benchmarks/fp8_expert_path.py needs a GPU (JAX_PLATFORMS=cuda)")
+    wanted = args.cases.split(",")
+    unknown = set(wanted) - {c.name for c in CASES}
+    if unknown:
+        raise SystemExit(f"--cases: unknown {sorted(unknown)}; expected some of {[c.name for c in CASES]}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = args.out / f"fp8_expert_path_{jax.devices()[0].device_kind.replace(' ', '_')}.csv"
+    rows: list[dict] = []
+    timer = EventTimer()
+    for case in CASES:
+        if case.name in wanted:
+            run_case(timer, case, args, rows, table)
+    print("\n".join(summarize(rows)))
+    print(f"wrote {table} and {table.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+// CUDA FFI handler turbo_moe_permute_fp8 (contract: kernels/contracts/permute_fp8.h; CPU: kernels/cpu/permute_fp8.cc):
+// permute_rows' copy step writing FP8 E4M3 rows and their 1x128 scales, the grouped FP8 GEMM's lhs, so no separate
+// pass reads the permuted activations again to quantise them. One warp per token copy: per 128-wide tile each lane
+// holds 4 values, the warp reduces the tile's amax with shuffles, lane 0 writes the scale and every lane its 4 bytes.
+// The arithmetic is the jnp quantiser's in IEEE float32 (round-to-nearest products, a correctly rounded reciprocal,
+// the hardware's round-to-nearest-even e4m3 conversion), so the values are bit-identical to it.
+#include <cuda_fp8.h>
+
+#include "../contracts/permute_fp8.h"
+#include "../contracts/registration.h"
+#include "common.cuh"
+
+namespace turbo_moe {
+namespace {
+
+constexpr int kLaneValues = kPermuteFp8Tile / 32;  // 4 values of a tile per lane
+constexpr int kTilesInFlight = 4;                  // tiles loaded per lane before the first reduction (latency)
+
+__device__ __forceinline__ uint32_t quantize4(const float (&v)[kLaneValues], float inv) {
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) {
+    const float c = fminf(kE4m3Max, fmaxf(-kE4m3Max, __fmul_rn(v[i], inv)));
+    packed |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(c, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+  }
+  return packed;
+}
+
+// One warp per slot: q[row_index[s]] and scale[row_index[s]] from x[s / k].
+template <typename T>
+__global__ void quantize_rows_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_index,
+                                     uint32_t* __restrict__ q, float* __restrict__ scale, int64_t tokens, int64_t k,
+                                     int64_t H, int64_t total_slots) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (warp >= total_slots) return;
+  const int64_t slots = tokens * k, b = warp / slots, s = warp % slots;
+  const int32_t r = row_index[warp];
+  if (r < 0 || r >= slots) return;  // a dropped copy
+  using Vec = Pack<T, kLaneValues>;
+  const Vec* src = reinterpret_cast<const Vec*>(x + (b * tokens + s / k) * H);
+  uint32_t* dst = q + (b * slots + r) * (H / 4);
+  float* dst_scale = scale + (b * slots + r) * (H / kPermuteFp8Tile);
+  const int64_t tiles = H / kPermuteFp8Tile;
+  const float inv_max = static_cast<float>(1.0 / static_cast<double>(kE4m3Max));
+  for (int64_t t0 = 0; t0 < tiles; t0 += kTilesInFlight) {
+    float v[kTilesInFlight][kLaneValues];
+#pragma unroll
+    for (int j = 0; j < kTilesInFlight; ++j)
+      if (t0 + j < tiles) {
+        const Vec p = src[(t0 + j) * 32 + lane];
+#pragma unroll
+        for (int i = 0; i < kLaneValues; ++i) v[j][i] = to_f32(p.v[i]);
+      }
+#pragma unroll
+    for (int j = 0; j < kTilesInFlight; ++j) {
+      if (t0 + j >= tiles) break;
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kLaneValues; ++i) amax = fmaxf(amax, fabsf(v[j][i]));
+#pragma unroll
+      for (int d = 16; d > 0; d >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+      const float s_ = amax > 0.0f ? __fmul_rn(amax, inv_max) : 1.0f;
+      const float inv = __frcp_rn(s_);  // 1 / s correctly rounded, as the jnp quantiser's division
+      dst[(t0 + j) * 32 + lane] = quantize4(v[j], inv);
+      if (lane == 0) dst_scale[t0 + j] = s_;
+    }
+  }
+}
+
+// Rows [sum(group_sizes[b]), slots) of each batch: q 0 and scale 1 (a zero row's quantisation). Every block sums
+// the E sizes itself (a few KB from L2).
+__global__ void fill_tail_kernel(uint8_t* q, float* scale, int64_t slots, int64_t H, const int32_t* group_sizes,
+                                 int64_t E) {
+  __shared__ long long warp_sums[32];
+  const int64_t b = blockIdx.y;
+  long long mine = 0;
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) mine += max(group_sizes[b * E + e], 0);
+  for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = mine;
+  __syncthreads();
+  long long total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += warp_sums[w];
+  const int64_t begin = min(static_cast<int64_t>(total), slots);
+  const int64_t nb = H / kPermuteFp8Tile;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // H % 128 == 0: a row of q is a whole number of 16-byte vectors, and XLA's buffers are 16-byte aligned.
+  uint4* qv = reinterpret_cast<uint4*>(q + (b * slots + begin) * H);
+  for (int64_t i = tid; i < (slots - begin) * H / 16; i += stride) qv[i] = make_uint4(0, 0, 0, 0);
+  float* sv = scale + (b * slots + begin) * nb;
+  for (int64_t i = tid; i < (slots - begin) * nb; i += stride) sv[i] = 1.0f;
+}
+
+ffi::Error PermuteFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_index,
+                          ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q,
+                          ffi::Result<ffi::AnyBuffer> scale, bool zero_tail) {
+  auto dims = check_permute_fp8(x, row_index, group_sizes, *q, *scale);
+  if (!dims) return dims.error();
+  const int64_t batch = dims->batch, T = dims->T, H = dims->H, k = dims->k, E = dims->E, slots = dims->slots;
+  if (batch == 0 || slots == 0) return ffi::Error::Success();
+  const int64_t total_slots = batch * slots;
+  auto* q_p = static_cast<uint8_t*>(q->untyped_data());
+  auto* s_p = static_cast<float*>(scale->untyped_data());
+  dispatch_float(x.element_type(), [&](auto tag) {
+    using Elem = decltype(tag);
+    quantize_rows_kernel<Elem><<<static_cast<unsigned>(ceil_div(total_slots, 8)), 256, 0, stream>>>(
+        static_cast<const Elem*>(x.untyped_data()), row_index.typed_data(), reinterpret_cast<uint32_t*>(q_p), s_p, T,
+        k, H, total_slots);
+  });
+  if (zero_tail)
+    fill_tail_kernel<<<dim3(32, static_cast<unsigned>(batch)), 256, 0, stream>>>(q_p, s_p, slots, H,
+                                                                                 group_sizes.typed_data(), E);
+  return last_cuda_error("permute_fp8");
+}
+
+}  // namespace
+}  // namespace turbo_moe
+
+// No scratch, no host synchronisation, every launch on `stream`: command-buffer compatible.
+TURBO_MOE_CUDA_HANDLER(turbo_moe_permute_fp8, turbo_moe::PermuteFp8Impl, turbo_moe::permute_fp8_signature);

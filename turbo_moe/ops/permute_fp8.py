@@ -1,0 +1,88 @@
+"""The permute writing FP8: token copies sorted by expert as E4M3 rows with DeepSeek-V3's 1x128 scales.
+
+`permute_fp8(x, expert_ids, E)` is `permute` followed by `grouped_gemm_fp8.quantize_rows` of its rows, in one pass over
+the tokens: the row copy quantises each 128-wide tile as it writes it (kernels/cpu/permute_fp8.cc,
+kernels/cuda/permute_fp8.cu), so no separate pass reads the permuted activations again. The rows and scales are
+bit-identical to `quantize_rows(permute(x, ...)[0])` and in the layout `grouped_gemm_fp8_quantized` (the FP8 kernel's
+lhs) takes. The sort is permute's own kernel, called on a zero-width copy of x (it then copies no bytes).
+
+Forward only (FP8 rows have no useful gradient): a backward pass that needs the rows rebuilds them in bfloat16 with
+`permute_rows` (as `ops.expert_block` does).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from turbo_moe.ops import _checks
+from turbo_moe.ops._ffi import ffi_call
+from turbo_moe.ops.permute import PermuteHandle, _permute_call
+
+TILE = 128  # the activations' scale tile along H
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _check_width(x) -> None:
+    h = x.shape[-1]
+    if h == 0 or h % TILE:
+        raise ValueError(f"x (T, H) must have H a positive multiple of {TILE} (the FP8 scale tiles), got H={h}")
+
+
+def permute_fp8(x, expert_ids, num_experts: int):
+    """`permute` with its sorted rows written as FP8 E4M3 and their per-1x128 float32 scales.
+
+    Args:
+      x: (T, H) tokens, bfloat16/float16/float32; H a positive multiple of 128.
+      expert_ids: integer (T, k) expert of each copy; an id outside [0, num_experts) drops that copy.
+      num_experts: E, static.
+    Returns:
+      q float8_e4m3fn (T*k, H), scale float32 (T*k, H/128): x_sorted[r] ~= q[r] * scale[r] per 128-wide tile, the
+        values of `quantize_rows(x_sorted)`; rows past sum(group_sizes) are those of a zero row (q 0, scale 1).
+      group_sizes int32 (E,), handle: `PermuteHandle`, as `permute` returns them.
+    """
+    _checks.check_rank("x", x, 2, "(T, H)")
+    _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
+    _checks.check_integer("expert_ids", expert_ids)
+    _checks.float_dtype("x", x.dtype)
+    _check_width(x)
+    if expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids (T, k) must have T={x.shape[0]} rows like x (T, H), got {expert_ids.shape}")
+    num_experts = _checks.static_int("num_experts", num_experts)
+    q, scale, group_sizes, row_index = permute_fp8_call(x, _checks.index_as_int32(expert_ids, num_experts),
+                                                        num_experts)
+    return q, scale, group_sizes, PermuteHandle(row_index)
+
+
+def permute_fp8_call(x, expert_ids, num_experts: int, zero_tail: bool = True):
+    """(T, H), int32 (T, k) ids in range or dropped -> q (T*k, H), scale (T*k, H/128), group_sizes (E,), row_index
+    (T, k). zero_tail=False: rows past sum(group_sizes) may stay unwritten (NaN on the CPU), see `grouped_gemm`."""
+    sort_only = jnp.zeros(x.shape[:-1] + (0,), x.dtype)  # permute's sort without its bf16 row copy
+    _, group_sizes, row_index = _permute_call(sort_only, expert_ids, num_experts)
+    q, scale = permute_rows_fp8_call(x, row_index, group_sizes, zero_tail)
+    return q, scale, group_sizes, row_index
+
+
+def permute_rows_fp8(x, handle: PermuteHandle, group_sizes):
+    """`permute_rows` writing FP8: the quantised copy step alone, from a permute's row index and group sizes.
+    (T, H), PermuteHandle, int32 (E,) -> q (T*k, H) float8_e4m3fn, scale (T*k, H/128) float32."""
+    if not isinstance(handle, PermuteHandle):
+        raise TypeError(f"handle must be the PermuteHandle returned by permute, got {type(handle).__name__}")
+    _checks.check_rank("x", x, 2, "(T, H)")
+    _checks.float_dtype("x", x.dtype)
+    _check_width(x)
+    row_index = handle.row_index
+    _checks.check_rank("handle.row_index", row_index, 2, "(T, k)")
+    _checks.check_integer("handle.row_index", row_index)
+    _checks.check_rank("group_sizes", group_sizes, 1, "(E,)")
+    _checks.check_integer("group_sizes", group_sizes)
+    if row_index.shape[0] != x.shape[0]:
+        raise ValueError(f"handle.row_index (T, k) must have T={x.shape[0]} rows like x (T, H), got {row_index.shape}")
+    return permute_rows_fp8_call(x, _checks.index_as_int32(row_index, row_index.size), group_sizes.astype(jnp.int32))
+
+
+def permute_rows_fp8_call(x, row_index, group_sizes, zero_tail: bool = True):
+    rows = row_index.shape[-2] * row_index.shape[-1]
+    lead = x.shape[:-2]
+    out = (jax.ShapeDtypeStruct(lead + (rows, x.shape[-1]), E4M3),
+           jax.ShapeDtypeStruct(lead + (rows, x.shape[-1] // TILE), jnp.float32))
+    return ffi_call("turbo_moe_permute_fp8", out, x, row_index, group_sizes, zero_tail=zero_tail)
