@@ -54,9 +54,8 @@ SMOKE_SIZES = dict(  # a tiny `reduced`-like model: same routing proportions, CP
     q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     max_seq_len=64, remat_policy="none", dtype="float32", loss_chunk_tokens=0,
 )
-ROUTER_FIELDS = ("router_recipe", "router_bias_rate",
-                 "balance_loss_weight", "n_experts", "top_k", "n_groups", "topk_groups", "routed_scaling_factor",
-                 "capacity_factor")
+ROUTER_FIELDS = ("router_recipe", "router_bias_rate", "n_experts", "top_k", "n_groups", "topk_groups",
+                 "routed_scaling_factor", "capacity_factor")
 STEP_KEYS = ("step", "loss", "ce_loss", "dropped_fraction", "load_max_over_mean", "load_max_over_mean_worst_layer",
              "step_time_s", "lr")
 PRIOR_TGS = {"H200": 115_000.0, "H100": 82_000.0}  # tokens/s a chunk is planned with before one was measured here

@@ -25,13 +25,11 @@ sys.path.insert(0, str(HERE))
 from _provenance import provenance  # noqa: E402
 
 # The fastest settings measured for `reduced` on one H200: TrainConfig fields, then model overrides.
-BEST = {"adam_mu_dtype": "bfloat16", "adam_nu_dtype": "bfloat16", "master_weights": "split"}
-BEST_MODEL = {"loss_chunk_tokens": 4096, "remat_policy": "dots_experts_attention", "attention_impl": "cudnn_unpadded",
-              "logits_dtype": "bfloat16"}
+BEST = {"moments_dtype": "bfloat16", "master_weights": "split"}
+BEST_MODEL = {"loss_chunk_tokens": 4096, "remat_policy": "dots_experts_attention", "logits_dtype": "bfloat16"}
 # The defaults before they were decided (what a user got without copying the settings above), where still settable.
-PREVIOUS = {"adam_mu_dtype": None, "adam_nu_dtype": None, "master_weights": "float32"}
-PREVIOUS_MODEL = {"loss_chunk_tokens": 0, "remat_policy": "dots_no_batch", "attention_impl": "cudnn",
-                  "logits_dtype": "float32"}
+PREVIOUS = {"moments_dtype": None, "master_weights": "float32"}
+PREVIOUS_MODEL = {"loss_chunk_tokens": 0, "remat_policy": "dots_no_batch", "logits_dtype": "float32"}
 CAPACITY = {"dense_cf": 1.25}
 
 

@@ -10,8 +10,8 @@ Each case lowers the train step on abstract inputs and compiles it (nothing is a
 than the device still report what they would need): measured = arguments + temporaries + outputs not
 aliased to an argument (the peak XLA plans for; `turbo_moe.train.run` reports the same numbers as
 `compiled_*`). The prediction is `accounting.memory_prediction` for a one-device mesh. One CSV row per
-case, written as each case finishes. A case's overrides are ModelConfig fields, except `adam_mu_dtype` and
-`adam_nu_dtype` (TrainConfig's: given to the optimizer and to the prediction). `--autotune-level 0` (default)
+case, written as each case finishes. A case's overrides are ModelConfig fields, except `moments_dtype`
+(TrainConfig's: given to the optimizer and to the prediction). `--autotune-level 0` (default)
 skips GEMM autotuning so a case compiles in ~10 s instead of ~25 s; `--autotune-level xla` checks that the
 choice moves the numbers.
 """
@@ -52,11 +52,10 @@ def measure(preset: str, path: str, batch: int, seq: int, overrides: dict, autot
     from turbo_moe.train import TrainConfig
     from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
 
-    model_overrides = {k: v for k, v in overrides.items() if k not in ("adam_mu_dtype", "adam_nu_dtype")}
-    mu_dtype, nu_dtype = overrides.get("adam_mu_dtype"), overrides.get("adam_nu_dtype")
+    model_overrides = {k: v for k, v in overrides.items() if k != "moments_dtype"}
+    mu_dtype = nu_dtype = overrides.get("moments_dtype")
     cfg = get_config(preset, **{"capacity_factor": 1.25, **model_overrides}, moe_path=path)
-    tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq, adam_mu_dtype=mu_dtype,
-                                    adam_nu_dtype=nu_dtype))
+    tx = make_optimizer(TrainConfig(model=cfg, dataset="synthetic", seq_len=seq, moments_dtype=mu_dtype))
     mesh = make_mesh(jax.devices()[:1])
     program = build_program(cfg, tx, mesh, True, autotune)
     t0 = time.perf_counter()

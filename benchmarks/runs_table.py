@@ -27,16 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import write_csv  # noqa: E402
 
 GIB = 2**30
-SWITCHES = ("remat_policy", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding", "cast_params_before_scan",
-            "cast_params_in_update", "master_weights", "scan_outputs_uninitialized", "loss_chunk_tokens",
+SWITCHES = ("remat_policy", "moments_dtype", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding",
+            "cast_params_before_scan", "cast_params_in_update", "master_weights", "scan_outputs_uninitialized", "loss_chunk_tokens",
             "logits_dtype", "param_dtype",
             "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_recipe", "router_center_causal",
             "router_seq_load_penalty", "router_topk_impl", "attention_impl", "expert_backward", "swiglu_impl",
             "embedding_grad")
 
 
-_SHORT = {"remat_policy": "remat", "adam_mu_dtype": "mu", "adam_nu_dtype": "nu", "adam_nu_rounding": "nu_round",
-          "cast_params_before_scan": "cast", "cast_params_in_update": "cast_update", "master_weights": "master",
+_SHORT = {"remat_policy": "remat", "moments_dtype": "moments", "adam_mu_dtype": "mu", "adam_nu_dtype": "nu",
+          "adam_nu_rounding": "nu_round", "cast_params_before_scan": "cast", "cast_params_in_update": "cast_update", "master_weights": "master",
           "scan_outputs_uninitialized": "uninit", "loss_chunk_tokens": "chunk", "logits_dtype": "logits",
           "param_dtype": "params", "router_recipe": "router", "router_center_causal": "center", "router_seq_load_penalty": "seqload",
           "router_topk_impl": "topk", "attention_impl": "attn", "expert_backward": "expert_bwd", "swiglu_impl": "swiglu",
@@ -72,21 +72,31 @@ def _resolved(config: dict):
     return tc, tc.model_config()
 
 
-def _moment_dtype(tc, prov: dict, name: str):
-    """The dtype a run stored an AdamW moment in: its recorded (resolved) value, else its config's, where
-    "auto" (a field added later) means what runs before it did: the parameter dtype (None)."""
-    recorded = (prov.get("config") or {}).get(name)
-    value = recorded if recorded not in (None, "auto") else getattr(tc, name, None)
+_MOMENTS = ("adam_mu_dtype", "adam_nu_dtype")  # one field, moments_dtype, since
+
+
+def _moment(values: dict, name: str):
+    """A moment's dtype as `values` (a config) name it: its own field in an older config, else moments_dtype."""
+    return values.get(name) if any(k in values for k in _MOMENTS) else values.get("moments_dtype")
+
+
+def _moment_dtype(tc, config: dict, prov: dict, name: str):
+    """The dtype a run stored an AdamW moment in (`name`: one of _MOMENTS): its recorded (resolved) value, else its
+    config's, where "auto" (a field added later) means what runs before it did: the parameter dtype (None)."""
+    recorded = _moment(prov.get("config") or {}, name)
+    if recorded not in (None, "auto"):
+        return recorded
+    value = _moment(config, name) if any(k in config for k in _MOMENTS) else tc.moments_dtype
     return None if value == "auto" else value
 
 
-def _predicted_gib(tc, cfg, prov: dict | None = None) -> float:
+def _predicted_gib(tc, cfg, config: dict, prov: dict | None = None) -> float:
     from turbo_moe.experiments.accounting import memory_prediction
 
     prov = prov or {}
-    pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len or cfg.max_seq_len,
-                             adam_mu_dtype=_moment_dtype(tc, prov, "adam_mu_dtype"),
-                             adam_nu_dtype=_moment_dtype(tc, prov, "adam_nu_dtype"))
+    pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len,
+                             adam_mu_dtype=_moment_dtype(tc, config, prov, "adam_mu_dtype"),
+                             adam_nu_dtype=_moment_dtype(tc, config, prov, "adam_nu_dtype"))
     return sum(pred.values()) / GIB
 
 
@@ -98,8 +108,8 @@ def _as_run(config: dict, prov: dict) -> tuple[dict, list[str]]:
     found = {}
     for k in SWITCHES:
         for source in (model, train, explicit):
-            if k in source:
-                found[k] = source[k]
+            if k in source or (k in _MOMENTS and "moments_dtype" in source):
+                found[k] = _moment(source, k) if k in _MOMENTS else source[k]
                 break
     return found, [k for k in SWITCHES if k not in found]
 
@@ -110,10 +120,13 @@ def row(record: dict, source: Path) -> dict:
     merged, not_recorded = _as_run(config, prov)
     merged = {k: merged.get(k) for k in SWITCHES}
     merged["moe_path"] = (prov.get("model_config") or {}).get("moe_path", cfg.moe_path)
-    skip = int(config.get("skip_steps_for_tgs", 3))
+    skip = config.get("skip_steps_for_tgs")  # the steps the run left out of its TGS (a field until they were fixed)
+    if skip is None:
+        done, timed = summary.get("steps_done"), summary.get("tgs_steps")
+        skip = done - timed if isinstance(done, int) and isinstance(timed, int) else 3  # the field's default
     load, regime = _regime(record.get("history") or [], skip)
     measured = summary.get("compiled_total_bytes")
-    predicted = _predicted_gib(tc, cfg, prov)
+    predicted = _predicted_gib(tc, cfg, config, prov)
     return {
         "run": f"{source.parent.name}/{source.stem}", "moe_path": merged.get("moe_path"), "model": config.get("model"),
         **{k: merged.get(k) for k in SWITCHES}, "switches_not_recorded": " ".join(not_recorded),

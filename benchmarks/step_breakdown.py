@@ -3,7 +3,7 @@
     # on the machine to measure (GPU or CPU; jax + numpy + stdlib only):
     python3 benchmarks/step_breakdown.py collect --out DIR --model reduced --moe-path turbo \\
         --per-device-batch 8 --seq-len 2048 [--model-overrides '{"n_layers": 2}'] [--warmup 3 --steps 3] \
-        [--train-overrides '{"adam_mu_dtype": "bfloat16"}']
+        [--train-overrides '{"moments_dtype": "bfloat16"}']
     # here (reads DIR; writes experiments/results/step_breakdown_<device>_<config>.csv (+ _ops.csv) and
     # experiments/figures/step_breakdown_<device>_<config>.png):
     python3 benchmarks/step_breakdown.py analyze DIR
@@ -447,7 +447,7 @@ def main(argv=None) -> None:
     c.add_argument("--model", default="tiny", help="preset name")
     c.add_argument("--model-overrides", default="{}", help="JSON dict of ModelConfig overrides")
     c.add_argument("--train-overrides", default="{}",
-                   help='JSON dict of TrainConfig fields collect does not set, e.g. {"adam_mu_dtype": "bfloat16"}')
+                   help='JSON dict of TrainConfig fields collect does not set, e.g. {"moments_dtype": "bfloat16"}')
     c.add_argument("--moe-path", default=None, choices=(None, *MOE_PATHS))
     c.add_argument("--per-device-batch", type=int, default=2)
     c.add_argument("--seq-len", type=int, default=None)

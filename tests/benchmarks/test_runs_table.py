@@ -29,7 +29,7 @@ def _record(loads, status="ok", measured=40 * 2**30):
 
 
 def test_regime_is_read_from_the_timed_steps_only(runs_table):
-    # steps 0-2 are skipped (skip_steps_for_tgs 3): their 10.7 must not make the run "collapsed"
+    # steps 0-2 are skipped (the run's skip_steps_for_tgs, 3): their 10.7 must not make the run "collapsed"
     load, regime = runs_table._regime(_record([10.7, 10.7, 10.7, 1.5, 1.8, 1.6])["history"], 3)
     assert load == pytest.approx(1.6) and regime == "balanced (<= 2)"
     assert runs_table._regime(_record([1.0, 1.0, 1.0, 9.0, 8.0, 7.5])["history"], 3)[1] == "collapsed (> 5)"
@@ -76,7 +76,7 @@ def test_switches_are_the_runs_own_not_todays_defaults(runs_table, tmp_path):
     model = {**{k: v for k, v in vars(get_config("reduced", moe_path="turbo")).items() if k != "logits_dtype"},
              "swiglu_impl": "xla", "cast_params_before_scan": True, "router_topk_impl": "kernel",
              "expert_backward": "block", "embedding_grad": "segment", "router_center_causal": True,
-             "router_seq_load_penalty": 0.1}
+             "router_seq_load_penalty": 0.1, "attention_impl": "auto"}
     train = {**TrainConfig.from_dict({"progress": False, **record["config"]}).to_dict(),
              "cast_params_in_update": False, "scan_outputs_uninitialized": True, "adam_nu_rounding": "stochastic"}
     record["provenance"] = {**record["provenance"], "model_config": model, "config": train}

@@ -1,6 +1,6 @@
-"""attention_impl="cudnn_unpadded" (and "auto", the default, which is it on the GPU): cuDNN with v at its own width
-gives the padded call's output and gradients (to bf16 rounding), at `reduced`'s MLA head dims. Skipped without a
-CUDA device:
+"""causal_attention's "cudnn_unpadded" (and "auto", what the model runs, which is it on the GPU): cuDNN with v at
+its own width gives the padded call's output and gradients (to bf16 rounding), at `reduced`'s MLA head dims. Skipped
+without a CUDA device:
     JAX_PLATFORMS=cuda,cpu python -m pytest tests/gpu/test_attention_unpadded_gpu.py -q
 """
 import numpy as np

@@ -18,7 +18,7 @@ def closed_form_counts(c):
     moe_ffn = (c.n_experts + c.n_shared_experts) * expert + d * c.n_experts  # + router
     moe_active = (c.top_k + c.n_shared_experts) * expert + d * c.n_experts
     embedding = c.vocab_size * d
-    head = (0 if c.tie_embeddings else c.vocab_size * d) + (c.vocab_size if c.router.head_bias != "none" else 0)
+    head = c.vocab_size * d + (c.vocab_size if c.router.head_bias != "none" else 0)
     n_moe = c.n_layers - c.n_dense_layers
     base = embedding + head + d + c.n_layers * (attention + norms) + c.n_dense_layers * dense_ffn
     mtp_own = c.mtp_depth * (2 * d + 2 * d * d + attention + norms + d + moe_ffn)
@@ -27,7 +27,7 @@ def closed_form_counts(c):
 
 
 @pytest.mark.parametrize("name, overrides", [
-    ("tiny", {}), ("tiny", dict(q_lora_rank=0, tie_embeddings=True, mtp_depth=2, n_shared_experts=2)),
+    ("tiny", {}), ("tiny", dict(q_lora_rank=0, mtp_depth=2, n_shared_experts=2)),
     ("tiny", dict(n_shared_experts=0, mtp_depth=0, n_dense_layers=0)), ("small", {}), ("reduced", {}),
     ("reduced", dict(router_recipe="deepseek_v3")), ("deepseek_v3_671b", {})])
 def test_counts_match_closed_form_and_the_models_shapes(name, overrides):

@@ -77,7 +77,7 @@ def test_unknown_field_and_wrong_type():
 def test_defaults_are_the_decided_ones():
     """The fast path by default: turbo, deepep's own layout choice; the GPU presets chunk the loss in bf16 logits."""
     cfg = ModelConfig()
-    assert (cfg.moe_path, cfg.ep_layout, cfg.attention_impl) == ("turbo", "auto", "auto")
+    assert (cfg.moe_path, cfg.ep_layout) == ("turbo", "auto")
     reduced, full = get_config("reduced"), get_config("deepseek_v3_671b")
     assert (reduced.remat_policy, reduced.loss_chunk_tokens, reduced.logits_dtype) == (
         "dots_experts_attention", 4096, "bfloat16")
@@ -91,7 +91,8 @@ def test_defaults_are_the_decided_ones():
 OTHER_VALUES = {"cast_params_before_scan": False, "router_topk_impl": "cuda", "embedding_grad": "matmul",
                 "expert_backward": "autodiff", "swiglu_impl": "cutlass", "router_center_ema": 0.3,
                 "router_bias_rate_start": 1e-2, "router_bias_rate_decay_steps": 100, "embedding_init_std": 0.006,
-                "router_init_std": 256 ** -0.5, "scan_layers": False, "rms_norm_eps": 1e-5}
+                "router_init_std": 256 ** -0.5, "scan_layers": False, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+                "attention_impl": "cudnn", "tie_embeddings": True}
 
 
 def test_every_removed_field_is_covered():
@@ -119,6 +120,12 @@ def test_removed_fields_old_spellings():
     for name in ("swiglu_impl", "router_topk_impl"):
         for value in ("xla", "kernel"):
             assert get_config("tiny", **{name: value}) == base
+    for value in ("xla", "cudnn_unpadded"):  # what attention "auto" runs on the CPU and on a GPU
+        assert get_config("tiny", attention_impl=value) == base
+    # MaxText's key for tied embeddings, at DeepSeek-V3's (untied) value
+    assert get_config("tiny", logits_via_embedding=False) == base
+    with pytest.raises(ValueError, match="'tie_embeddings' was removed.*got True"):
+        get_config("tiny", logits_via_embedding=True)
     with pytest.raises(ValueError, match="ModelConfig field 'cast_params_before_scan' was removed.*got 1"):
         get_config("tiny", cast_params_before_scan=1)
     with pytest.raises(TypeError):  # the constructor has no such field
@@ -131,7 +138,8 @@ def test_removed_fields_old_spellings():
 
 def test_the_init_and_norm_constants_the_removed_fields_fixed():
     cfg = get_config("tiny", d_model=256, init_std=0.006)
-    assert (cfg.embedding_std, cfg.router_std, cfg.rms_norm_eps) == (256 ** -0.5, 0.006, 1e-6)
+    assert (cfg.embedding_std, cfg.router_std, cfg.rms_norm_eps, cfg.rope_theta) == (256 ** -0.5, 0.006, 1e-6, 1e4)
+    assert cfg.balance_loss_weight == cfg.router.balance_loss_weight == 1e-4
 
 
 def test_from_record_reads_an_older_runs_config_with_removed_fields():

@@ -171,6 +171,14 @@ def test_the_recipes_and_the_presets():
     with pytest.raises(ValueError, match=r"ModelConfig\.router_recipe: got 'balanced'; expected one of "
                                          r"\('deepseek_v3', 'short_run'\)"):
         get_config("tiny", router_recipe="balanced")
+    # the balance loss's weight: DeepSeek-V3's alpha in both recipes, so an old config's 1e-4 loads and another is
+    # refused naming the field and the recipes
+    for name in ("tiny", "reduced"):
+        cfg = get_config(name)
+        assert cfg.balance_loss_weight == cfg.router.balance_loss_weight == 1e-4
+        assert get_config(name, balance_loss_weight=1e-4) == cfg
+    with pytest.raises(ValueError, match=r"\['balance_loss_weight'\] were replaced by router_recipe"):
+        get_config("tiny", balance_loss_weight=0.0)
 
 
 # Every one of the seven fields the recipe replaced, at short_run's value, as an old record or spec holds them.

@@ -8,8 +8,7 @@ import pytest
 from nbhelpers import execute, nbval
 
 TINY = dict(model="tiny", moe_path="dense_cf", capacity_factor=1.0, per_device_batch=2, seq_len=32, steps=3,
-            warmup_steps=1, eval_every=0, eval_batches=1, dataset="synthetic",
-            train_overrides={"skip_steps_for_tgs": 1})
+            warmup_steps=1, eval_every=0, eval_batches=1, dataset="synthetic")
 
 
 def test_tiny_run_writes_record_and_passes_nbval(tmp_path, kernel):

@@ -13,7 +13,7 @@ SHRUNK = {"d_model": 64, "n_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "q
           "qk_rope_head_dim": 8, "v_head_dim": 16, "dense_ffn_dim": 64, "moe_ffn_dim": 32, "vocab_size": 256,
           "remat_policy": "none"}  # no remat needed at this size (and faster to compile)
 TINY = dict(n_layers=2, n_dense_layers=1, n_experts=16, model_overrides=SHRUNK, paths=["ragged"],
-            per_device_batch=2, seq_len=32, steps=3, dataset="synthetic", train_overrides={"skip_steps_for_tgs": 1})
+            per_device_batch=2, seq_len=32, steps=3, dataset="synthetic")
 
 
 def test_accounting_and_slice_run(tmp_path, kernel):

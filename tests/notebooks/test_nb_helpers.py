@@ -44,7 +44,8 @@ def test_auto_path_is_the_fast_dropless_path_of_the_device():
      ({"steps": -1}, "TrainConfig.steps: must be a positive int, got -1"),
      ({"model": "huge"}, "unknown model preset 'huge'"),
      ({"model_overrides": {"n_experts": 0}}, "ModelConfig.n_experts"),
-     ({"seq_len": 10_000}, "TrainConfig.seq_len")],
+     ({"seq_len": 0}, "TrainConfig.seq_len: must be a positive int"),
+     ({"model_overrides": {"max_seq_len": 64}}, "TrainConfig.seq_len: 32 here and max_seq_len=64")],
 )
 def test_bad_parameters_name_themselves(bad, message):
     with pytest.raises(ValueError) as err:

@@ -32,8 +32,18 @@ def test_file_and_sets_give_the_config(config_file):
                                          "model_overrides.top_k=1", "weight_decay=1e-2"])
     assert tc.steps == 20 and tc.seed == 7 and tc.progress is False and tc.checkpoint_dir is None
     assert tc.learning_rate == 3e-3 and tc.weight_decay == 1e-2 and tc.min_lr_ratio == 0.5  # YAML 1.2 floats
-    assert tc.model_overrides == {"moe_path": "dense_cf", "top_k": 1}
+    assert tc.model_overrides == {"moe_path": "dense_cf", "top_k": 1, "max_seq_len": 32}  # seq_len: the model's
     assert tc.model_config().moe_path == "dense_cf" and tc.model_config().top_k == 1
+
+
+def test_sub_config_sections_and_dotted_sets(tmp_path):
+    """A YAML section per sub-config, and --set into one, reach the same fields as the flat keys."""
+    sections = write(tmp_path / "sections.yaml", "model: tiny\noptimizer:\n  learning_rate: 1e-3\n"
+                                                 "checkpoint:\n  every: 5\n")
+    tc = load_train_config(sections, ["optimizer.moments_dtype=bfloat16", "data.per_device_batch=2"])
+    assert (tc.learning_rate, tc.moments_dtype, tc.checkpoint_every, tc.per_device_batch) == (1e-3, "bfloat16", 5, 2)
+    with pytest.raises(ValueError, match="TrainConfig.learning_rate: given both flat and in the optimizer section"):
+        load_train_config(sections, ["learning_rate=2e-3"])
 
 
 def test_sets_apply_in_order_and_leave_the_input_alone():

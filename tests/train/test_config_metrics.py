@@ -1,7 +1,6 @@
 """TrainConfig validation, removed fields, "auto" resolved per platform, what the device chose, metric formulas, OOM
 parsing, RunResult persistence (no compilation)."""
 
-import dataclasses
 import math
 import re
 
@@ -10,7 +9,8 @@ import pytest
 from turbo_moe.model import get_config
 from turbo_moe.train import RunResult, TrainConfig, learning_rate_schedule, peak_flops
 from turbo_moe.train import metrics as M
-from turbo_moe.train.config import REMOVED_FIELDS
+from turbo_moe.train.config import (REMOVED_FIELDS, CheckpointConfig, DataConfig, OptimizerConfig,
+                                    ParallelConfig)
 from turbo_moe.train.step import device_choices
 
 
@@ -31,7 +31,12 @@ def test_config_roundtrip_and_resolution():
     (dict(learning_rate=float("nan")), "TrainConfig.learning_rate"),
     (dict(warmup_steps=100, steps=10), "TrainConfig.warmup_steps"),
     (dict(lr_schedule_steps=3, steps=10, warmup_steps=1), "TrainConfig.lr_schedule_steps"),
-    (dict(seq_len=4096), "max_seq_len"),
+    (dict(seq_len=0), "TrainConfig.seq_len: must be a positive int"),
+    (dict(seq_len=32, model_overrides={"max_target_length": 64}), "TrainConfig.seq_len: 32 here and max_target_length"),
+    (dict(optimizer=OptimizerConfig(), learning_rate=1e-3), "TrainConfig.learning_rate: given both flat and in "
+                                                            "optimizer"),
+    (dict(adam_mu_dtype="bfloat16", adam_nu_dtype=None), "TrainConfig.moments_dtype: the two AdamW moments"),
+    (dict(keep_checkpoints=0), "TrainConfig.keep_checkpoints"),
     (dict(resume=True), "checkpoint_dir"),
     (dict(model="gigantic"), "unknown model preset"),
     (dict(model_overrides={"moe_path": "magic"}), "ModelConfig.moe_path"),
@@ -42,6 +47,52 @@ def test_config_roundtrip_and_resolution():
 def test_bad_configs_fail_clearly(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kwargs)
+
+
+def test_sub_configs_flat_and_nested_alike():
+    """The fields live in four sub-configs; flat keywords, reads, replace, from_dict and YAML-style sections reach the
+    same config, and to_dict stays flat (the records read flat keys)."""
+    flat = TrainConfig(model="tiny", steps=16, learning_rate=1e-3, moments_dtype="bfloat16", per_device_batch=4,
+                       dataset="synthetic", expert_parallel=2, checkpoint_dir="/tmp/ckpt", keep_checkpoints=1)
+    nested = TrainConfig(model="tiny", steps=16,
+                         optimizer=OptimizerConfig(learning_rate=1e-3, moments_dtype="bfloat16"),
+                         data=DataConfig(per_device_batch=4, dataset="synthetic"), parallel=ParallelConfig(2),
+                         checkpoint=CheckpointConfig(dir="/tmp/ckpt", keep=1))
+    assert flat == nested and flat.learning_rate == flat.optimizer.learning_rate == 1e-3
+    assert (flat.checkpoint_dir, flat.keep_checkpoints, flat.expert_parallel) == ("/tmp/ckpt", 1, 2)
+    record = flat.to_dict()
+    assert "optimizer" not in record and record["learning_rate"] == 1e-3 and record["checkpoint_dir"] == "/tmp/ckpt"
+    assert TrainConfig.from_dict(record) == flat
+    sections = {"model": "tiny", "steps": 16, "optimizer": {"learning_rate": 1e-3, "moments_dtype": "bfloat16"},
+                "data": {"per_device_batch": 4, "dataset": "synthetic"}, "parallel": {"expert_parallel": 2},
+                "checkpoint": {"dir": "/tmp/ckpt", "keep": 1}}
+    assert TrainConfig.from_dict(sections) == flat
+    moved = flat.replace(learning_rate=2e-3, steps=18, per_device_batch=2)
+    assert (moved.learning_rate, moved.steps, moved.per_device_batch, moved.dataset) == (2e-3, 18, 2, "synthetic")
+    assert flat.replace(optimizer=OptimizerConfig()).learning_rate == 3e-3
+    with pytest.raises(ValueError, match="TrainConfig.learning_rate: given both flat and in the optimizer section"):
+        TrainConfig.from_dict({**sections, "learning_rate": 1e-3})
+    with pytest.raises(ValueError, match="TrainConfig.learning_rate: given both flat and in optimizer"):
+        flat.replace(optimizer=OptimizerConfig(), learning_rate=1e-3)
+    with pytest.raises(ValueError, match=r"unknown TrainConfig.optimizer field 'lr'"):
+        TrainConfig.from_dict({"optimizer": {"lr": 1e-3}})
+
+
+def test_older_spellings_fold_into_todays_fields():
+    """seq_len is the model's max_seq_len; the two moment dtypes are one field (agreeing values load)."""
+    tc = TrainConfig(model="tiny", seq_len=32, adam_mu_dtype="bfloat16", adam_nu_dtype="bfloat16")
+    assert tc.model_overrides == {"max_seq_len": 32} and tc.seq_len == tc.resolved_seq_len == 32
+    assert tc.moments_dtype == tc.adam_mu_dtype == "bfloat16" and "seq_len" not in tc.to_dict()
+    assert tc.replace(seq_len=48).model_config().max_seq_len == 48
+    # new model overrides keep the sequence length, as they did while it was a field of its own
+    assert tc.replace(model_overrides={"moe_path": "ragged"}).model_overrides == {"moe_path": "ragged",
+                                                                                 "max_seq_len": 32}
+    assert tc.replace(model_overrides={"max_target_length": 16}).seq_len == 16
+    assert TrainConfig(model="tiny", seq_len=4096).model_config().max_seq_len == 4096  # a longer context: valid
+    assert TrainConfig(seq_len=None) == TrainConfig()
+    # an older record: mu and nu stored differently reads with the default moments (the record keeps what ran)
+    old = {"model": "tiny", "seq_len": 32, "adam_mu_dtype": "bfloat16", "adam_nu_dtype": None}
+    assert TrainConfig.from_record(old) == TrainConfig(model="tiny", seq_len=32)
 
 
 def test_unknown_field_in_dict():
@@ -141,11 +192,11 @@ def test_auto_fields_resolve_per_platform():
     assert tuple(getattr(cpu, f) for f in AUTO_FIELDS) == ("float32", None, None)
     assert tuple(getattr(gpu, f) for f in AUTO_FIELDS) == ("split", "bfloat16", "bfloat16")
     for resolved in (cpu, gpu):
-        assert dataclasses.replace(resolved, **{f: "auto" for f in AUTO_FIELDS}) == tc  # nothing else changes
+        assert resolved.replace(master_weights="auto", moments_dtype="auto") == tc  # nothing else changes
         assert resolved.resolved("gpu") == resolved.resolved("cpu") == resolved  # nothing left to resolve
     assert tc.resolved() == cpu  # JAX's backend: the CPU here
     # explicit choices stay; split masters need a bf16 model with float32 params
-    explicit = tc.replace(master_weights="float32", adam_mu_dtype="float32", adam_nu_dtype=None)
+    explicit = tc.replace(master_weights="float32", moments_dtype=None)
     assert explicit.resolved("gpu") == explicit
     assert tc.replace(model_overrides={"dtype": "float32"}).resolved("gpu").master_weights == "float32"
 
@@ -160,7 +211,6 @@ def test_device_choices_say_what_the_defaults_run():
     assert gpu["swiglu_kernels"] and gpu["router_topk_kernel"]
     assert not device_choices(get_config("tiny", moe_path="ragged"), "gpu")["swiglu_kernels"]  # turbo's GEMM only
     assert device_choices(get_config("tiny", dtype="float32"), "gpu")["attention"] == "xla"  # cuDNN: bf16/f16 only
-    assert device_choices(get_config("tiny", attention_impl="cudnn"), "gpu")["attention"] == "cudnn"
 
 
 def test_schedule_warms_up_then_decays():
@@ -178,6 +228,11 @@ def test_peak_flops_table_names_its_source():
     assert peak_flops("NVIDIA A100-SXM4-80GB", "gpu")[0] == 312e12
     value, source = peak_flops("cpu", "cpu")
     assert math.isnan(value) and source.startswith("unknown (cpu")
+
+
+def test_tgs_leaves_out_the_first_steps_or_half_a_short_run():
+    assert M.timed_steps(list(range(40))) == list(range(M.TGS_SKIP_STEPS, 40))
+    assert M.timed_steps([9.0, 1.0, 1.0]) == [1.0, 1.0] and M.timed_steps([2.0]) == [2.0] and M.timed_steps([]) == []
 
 
 def test_tgs_and_mfu_formulas():

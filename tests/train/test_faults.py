@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
     """Two tiny layers on synthetic tokens: the cheapest program that still saves a full TrainState."""
     return TrainConfig(model="tiny", model_overrides={"n_layers": 2, "mtp_depth": 0}, dataset="synthetic",
                        data_dir=str(tmp_path_factory.mktemp("data")), per_device_batch=1, seq_len=32, steps=3,
-                       warmup_steps=1, eval_every=0, eval_batches=0, progress=False, skip_steps_for_tgs=0)
+                       warmup_steps=1, eval_every=0, eval_batches=0, progress=False)
 
 
 def test_checkpoint_dir_that_is_a_file_is_an_error_status(tiny, tmp_path):

@@ -22,6 +22,7 @@ def test_capacity_factor_rejected_naming_it(value):
     ({"stpes": 3}, "parameter train_overrides: unknown key 'stpes'; did you mean 'steps'?"),
     ({"remat_policy": "bogus"}, "parameter train_overrides: key 'remat_policy': ModelConfig.remat_policy"),
     ({"grad_clip": "x"}, "parameter train_overrides: key 'grad_clip': TrainConfig.grad_clip"),
+    ({"skip_steps_for_tgs": 1}, "key 'skip_steps_for_tgs': TrainConfig field 'skip_steps_for_tgs' was removed"),
     ({"seed": 3}, "key 'seed' is set by the notebook parameter 'seed'"),
     ({"steps": 3}, "key 'steps' is set by the notebook parameter 'steps'"),
     (["remat_policy"], "parameter train_overrides: must be a dict"),
@@ -36,3 +37,6 @@ def test_good_parameters_pass_through():
     assert check_train_parameters(capacity_factor=None, train_overrides={"remat_policy": "full"},
                                   explicit=("seed",)) == (None, {"remat_policy": "full"})
     assert check_train_overrides(None) == {}
+    # the sub-configs' fields flat, and the older spellings TrainConfig still reads
+    both = {"moments_dtype": "bfloat16", "checkpoint_every": 5, "adam_mu_dtype": "bfloat16"}
+    assert check_train_overrides(both) == both

@@ -1,10 +1,10 @@
 """AdamW with low-precision moments (DeepSeek-V3's low-precision optimizer states).
 
-- TrainConfig.adam_mu_dtype: the first moment stored in bfloat16, validated, trained with and saved/restored by the
-  orbax checkpointer with its dtype (with a bf16 nu too).
-- TrainConfig.adam_nu_dtype: the second moment stored in bfloat16 by a wrapper around optax's own adamw: validated,
-  the same updates as float32 nu up to the rounding of the stored moment, decaying with b2 = 0.95; nearest or
-  stochastic rounding."""
+- TrainConfig.moments_dtype: both moments stored in bfloat16, validated, trained with and saved/restored by the
+  orbax checkpointer with their dtype.
+- The second moment in bfloat16 (a wrapper around optax's own adamw), tested on its own through the optimizer, which
+  keeps the two moments' dtypes apart: the same updates as float32 nu up to the rounding of the stored moment,
+  decaying with b2 = 0.95; stochastic rounding."""
 from __future__ import annotations
 
 import jax
@@ -16,7 +16,7 @@ import pytest
 from turbo_moe.model import get_config
 from turbo_moe.train import TrainConfig
 from turbo_moe.train.checkpoint import Checkpointer, check_resume_config
-from turbo_moe.train.step import abstract_batch, build_program, make_mesh, make_optimizer
+from turbo_moe.train.step import _optimizer, abstract_batch, build_program, make_mesh, make_optimizer
 
 BF16 = jnp.dtype(jnp.bfloat16)
 
@@ -44,9 +44,21 @@ def _hand_params_and_grads(steps: int, seed: int = 0):
     return params, [grad(k) for k in jax.random.split(keys[2], steps)]
 
 
-def _updates(tc: TrainConfig, params, grads) -> tuple[list, list]:
+def _moments_tx(mu_dtype, nu_dtype, **fields) -> optax.GradientTransformation:
+    """`make_optimizer` with the two moments stored in different dtypes (one field in TrainConfig; the optimizer
+    keeps them apart, so that each moment's storage is tested on its own)."""
+    tc = TrainConfig(**fields)
+    return _optimizer(tc.learning_rate, tc.warmup_steps, tc.schedule_steps, tc.min_lr_ratio, tc.weight_decay,
+                      tc.adam_b1, tc.adam_b2, tc.grad_clip, mu_dtype, nu_dtype)
+
+
+def _bf16_nu(**fields) -> optax.GradientTransformation:
+    return _moments_tx(None, "bfloat16", **fields)  # stored stochastically rounded
+
+
+def _updates(tc: TrainConfig | optax.GradientTransformation, params, grads) -> tuple[list, list]:
     """Each step's updates and optimizer state, the parameters moved by them (eagerly, as the optimizer is)."""
-    tx = make_optimizer(tc)
+    tx = make_optimizer(tc) if isinstance(tc, TrainConfig) else tc
     state = tx.init(params)
     updates_seen, states = [], []
     for g in grads:
@@ -60,41 +72,48 @@ def _updates(tc: TrainConfig, params, grads) -> tuple[list, list]:
 # warm-up 0 so the first update moves the parameters; no clipping so the gradients are the ones given. make_optimizer
 # resolves "auto" for the device (tests/train runs on the CPU): the moments left "auto" are float32, the reference.
 HAND = dict(warmup_steps=0, steps=50, learning_rate=1e-2, grad_clip=0.0)
-BF16_NU = dict(adam_nu_dtype="bfloat16")  # stored stochastically rounded
 
 
 @pytest.mark.parametrize("value", ["float16", "bf16", 16, jnp.bfloat16])
-def test_nu_bad_value_names_the_field(value):
-    with pytest.raises(ValueError, match=r"TrainConfig\.adam_nu_dtype: got .*expected one of"):
-        TrainConfig(adam_nu_dtype=value)
+def test_moments_bad_value_names_the_field(value):
+    with pytest.raises(ValueError, match=r"TrainConfig\.moments_dtype: got .*expected one of"):
+        TrainConfig(moments_dtype=value)
 
 
 @pytest.mark.parametrize("b2", [0.999, 0.9999, 1 - 2**-9, 1.0])
 def test_bf16_nu_takes_any_b2(b2):
     # stochastically rounded, a bf16 nu decays at any b2 (round-to-nearest froze it above 1 - 2**-8)
-    assert TrainConfig(adam_nu_dtype="bfloat16", adam_b2=b2).adam_b2 == b2
-    assert TrainConfig(adam_b2=b2).resolved("gpu").adam_nu_dtype == "bfloat16"
+    assert TrainConfig(moments_dtype="bfloat16", adam_b2=b2).adam_b2 == b2
+    assert TrainConfig(adam_b2=b2).resolved("gpu").moments_dtype == "bfloat16"
 
 
-def test_nu_round_trip_cache_and_resume_check():
-    tc = TrainConfig(adam_nu_dtype="bfloat16")
+def test_moments_round_trip_default_cache_and_resume_check():
+    tc = TrainConfig(moments_dtype="bfloat16")
     assert TrainConfig.from_dict(tc.to_dict()) == tc
-    assert TrainConfig().adam_nu_dtype == "auto" and TrainConfig().resolved("cpu").adam_nu_dtype is None
-    assert make_optimizer(TrainConfig()) is make_optimizer(TrainConfig(adam_nu_dtype=None))  # on the CPU: one optimizer
-    assert make_optimizer(tc) is make_optimizer(TrainConfig(adam_nu_dtype="bfloat16"))
+    # "auto": bfloat16 on GPUs (the update is memory-bound), the parameters' dtype on the CPU
+    assert TrainConfig().moments_dtype == "auto" and TrainConfig().resolved("cpu").moments_dtype is None
+    assert TrainConfig().resolved("gpu").moments_dtype == "bfloat16"
+    assert make_optimizer(TrainConfig()) is make_optimizer(TrainConfig(moments_dtype=None))  # on the CPU: one optimizer
+    assert make_optimizer(tc) is make_optimizer(TrainConfig(adam_mu_dtype="bfloat16", adam_nu_dtype="bfloat16"))
     assert make_optimizer(tc) is not make_optimizer(TrainConfig())
-    with pytest.raises(ValueError, match="adam_nu_dtype='bfloat16' in the checkpoint, None now"):
-        check_resume_config({"adam_nu_dtype": "bfloat16"}, {"adam_nu_dtype": None})
-    with pytest.raises(ValueError, match="adam_nu_dtype=None in the checkpoint, 'float32' now"):
-        check_resume_config(TrainConfig().resolved("cpu").to_dict(), TrainConfig(adam_nu_dtype="float32").to_dict())
+    with pytest.raises(ValueError, match="moments_dtype='bfloat16' in the checkpoint, None now"):
+        check_resume_config({"moments_dtype": "bfloat16"}, {"moments_dtype": None})
+    with pytest.raises(ValueError, match="moments_dtype=None in the checkpoint, 'float32' now"):
+        check_resume_config(TrainConfig().resolved("cpu").to_dict(), TrainConfig(moments_dtype="float32").to_dict())
     check_resume_config(tc.to_dict(), tc.to_dict())
+    # a checkpoint written before the moments were one field (and seq_len the model's) resumes as the same run
+    old = {**tc.to_dict(), "seq_len": 32, "adam_mu_dtype": "bfloat16", "adam_nu_dtype": "bfloat16"}
+    del old["moments_dtype"]
+    check_resume_config(old, tc.replace(seq_len=32).to_dict())
+    with pytest.raises(ValueError, match="model_overrides="):
+        check_resume_config(old, tc.replace(seq_len=16).to_dict())
 
 
 @pytest.mark.parametrize("mu_dtype", [None, "bfloat16"])
 def test_state_keeps_nu_in_bf16_and_mu_as_asked(mu_dtype):
     params, grads = _hand_params_and_grads(3)
-    _, states = _updates(TrainConfig(adam_nu_dtype="bfloat16", adam_mu_dtype=mu_dtype, **HAND), params, grads)
-    init = make_optimizer(TrainConfig(adam_nu_dtype="bfloat16", adam_mu_dtype=mu_dtype, **HAND)).init(params)
+    _, states = _updates(_moments_tx(mu_dtype, "bfloat16", **HAND), params, grads)
+    init = _moments_tx(mu_dtype, "bfloat16", **HAND).init(params)
     plain = make_optimizer(TrainConfig(**HAND)).init(params)
     assert jax.tree.structure(init) == jax.tree.structure(plain)  # only nu's dtype differs: same checkpoint names
     for state in (init, *states):
@@ -112,7 +131,7 @@ def test_first_update_is_the_float32_one_and_the_next_within_nu_rounding():
     params, grads = _hand_params_and_grads(2)
     hand = {**HAND, "weight_decay": 0.0}  # the Adam term alone: decay could cancel part of it and inflate ratios
     ref, ref_states = _updates(TrainConfig(**hand), params, grads)
-    low, low_states = _updates(TrainConfig(**BF16_NU, **hand), params, grads)
+    low, low_states = _updates(_bf16_nu(**hand), params, grads)
     for a, b in zip(jax.tree.leaves(ref[0]), jax.tree.leaves(low[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the stored second moment is (1 - b2) g^2 rounded to bf16
@@ -130,8 +149,8 @@ def test_first_update_is_the_float32_one_and_the_next_within_nu_rounding():
 def test_updates_track_float32_over_many_steps():
     params, grads = _hand_params_and_grads(30)
     hand = {**HAND, "weight_decay": 0.0}  # the Adam term alone, so element-wise ratios are meaningful
-    ref, _ = _updates(TrainConfig(adam_mu_dtype="bfloat16", **hand), params, grads)
-    low, _ = _updates(TrainConfig(adam_mu_dtype="bfloat16", **BF16_NU, **hand), params, grads)
+    ref, _ = _updates(_moments_tx("bfloat16", None, **hand), params, grads)
+    low, _ = _updates(TrainConfig(moments_dtype="bfloat16", **hand), params, grads)
     rel = np.concatenate([np.abs(np.asarray(b / a - 1)).ravel()
                           for r, l in zip(ref, low) for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(l))])
     # each stored nu is rounded within 2^-7 (unbiased) and the errors decay at b2: measured median ~0.14%, p99 ~0.8%,
@@ -140,7 +159,7 @@ def test_updates_track_float32_over_many_steps():
         (np.median(rel), np.percentile(rel, 99), rel.max())
     # with weight decay, every step's update in norm (measured: within ~0.3%)
     ref, _ = _updates(TrainConfig(**HAND), params, grads)
-    low, _ = _updates(TrainConfig(**BF16_NU, **HAND), params, grads)
+    low, _ = _updates(_bf16_nu(**HAND), params, grads)
     for r, l in zip(ref, low):
         diff = optax.tree.norm(jax.tree.map(jnp.subtract, r, l))
         assert float(diff) < 0.005 * float(optax.tree.norm(r))
@@ -150,7 +169,7 @@ def test_bf16_nu_decays_with_b2_095():
     params = {"w": jnp.zeros((4, 8)), "b": jnp.zeros((8,))}
     big = jax.tree.map(lambda p: jnp.full_like(p, 100.0), params)
     zero = jax.tree.map(jnp.zeros_like, params)
-    tx = make_optimizer(TrainConfig(**BF16_NU, adam_b2=0.95, **HAND))
+    tx = _bf16_nu(adam_b2=0.95, **HAND)
     state = tx.init(params)
     _, state = tx.update(big, state, params)
     first = float(_adam_state(state).nu["w"][0, 0])
@@ -165,10 +184,10 @@ def test_bf16_nu_decays_with_b2_095():
     assert history[-1] == pytest.approx(first * 0.95**20, rel=0.05)  # at b2's rate (each step rounded)
 
 
-def test_float32_params_with_float32_nu_is_the_plain_optimizer():
+def test_float32_params_with_float32_moments_is_the_plain_optimizer():
     params, grads = _hand_params_and_grads(3)
     ref, _ = _updates(TrainConfig(**HAND), params, grads)
-    same, states = _updates(TrainConfig(adam_nu_dtype="float32", **HAND), params, grads)
+    same, states = _updates(TrainConfig(moments_dtype="float32", **HAND), params, grads)
     assert _dtypes(_adam_state(states[-1]).nu) == {jnp.dtype(jnp.float32)}
     for r, s in zip(ref, same):
         for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(s)):
@@ -201,8 +220,9 @@ def test_stochastic_nu_tracks_float32_where_nearest_runs_low():
     params = {"w": jnp.zeros((64, 64))}
     grads = [{"w": jnp.full((64, 64), 10.0)}] + [{"w": jnp.full((64, 64), 1.2)}] * 150
     final = {}
-    for name, kwargs in {"float32": {}, "bfloat16": dict(adam_nu_dtype="bfloat16")}.items():
-        _, states = _updates(TrainConfig(**{**HAND, "steps": 200}, adam_b2=0.99, **kwargs), params, grads)
+    fields = {**HAND, "steps": 200, "adam_b2": 0.99}
+    for name, tx in {"float32": make_optimizer(TrainConfig(**fields)), "bfloat16": _bf16_nu(**fields)}.items():
+        _, states = _updates(tx, params, grads)
         final[name] = np.asarray(_adam_state(states[-1]).nu["w"], np.float32)
     ref = float(final["float32"].mean())
     assert final["bfloat16"].mean() == pytest.approx(ref, rel=0.01)  # unbiased
@@ -210,7 +230,7 @@ def test_stochastic_nu_tracks_float32_where_nearest_runs_low():
 
 
 def test_stochastic_bf16_nu_decays_at_b2s_rate():
-    tc = TrainConfig(adam_nu_dtype="bfloat16", adam_b2=0.999)  # round-to-nearest froze nu at this b2
+    tc = TrainConfig(moments_dtype="bfloat16", adam_b2=0.999)  # round-to-nearest froze nu at this b2
     assert TrainConfig.from_dict(tc.to_dict()) == tc
     params = {"w": jnp.zeros((4, 8))}
     tx = make_optimizer(tc)
@@ -223,33 +243,12 @@ def test_stochastic_bf16_nu_decays_at_b2s_rate():
     assert after == pytest.approx(before * 0.999**20, rel=2e-3)  # decays at b2's rate on average
 
 
-# adam_mu_dtype (with a bf16 nu too: the two moments trained and checkpointed together)
+# both moments in bfloat16 (DeepSeek-V3's recipe): trained and checkpointed together
 
-@pytest.mark.parametrize("value", ["float16", "bf16", 16, jnp.bfloat16])
-def test_mu_bad_value_names_the_field(value):
-    with pytest.raises(ValueError, match=r"TrainConfig\.adam_mu_dtype: got .*expected one of"):
-        TrainConfig(adam_mu_dtype=value)
-
-
-def test_mu_round_trip_and_default():
-    tc = TrainConfig(adam_mu_dtype="bfloat16")
-    assert TrainConfig.from_dict(tc.to_dict()) == tc
-    # "auto": bfloat16 on GPUs (the update is memory-bound), the parameters' dtype on the CPU
-    assert TrainConfig().adam_mu_dtype == "auto"
-    assert TrainConfig().resolved("gpu").adam_mu_dtype == "bfloat16"
-    assert TrainConfig().resolved("cpu").adam_mu_dtype is None
-    assert make_optimizer(TrainConfig()) is make_optimizer(TrainConfig(adam_mu_dtype=None))  # on the CPU: one optimizer
-    assert make_optimizer(tc) is not make_optimizer(TrainConfig())
-    with pytest.raises(ValueError, match="adam_mu_dtype='bfloat16' in the checkpoint, None now"):
-        check_resume_config({"adam_mu_dtype": "bfloat16"}, {"adam_mu_dtype": None})
-
-
-@pytest.mark.parametrize("nu_dtype", [None, "bfloat16"])  # mu alone; both moments (DeepSeek-V3's recipe)
-def test_bf16_moments_train_and_checkpoint_with_their_dtype(tmp_path, nu_dtype):
+def test_bf16_moments_train_and_checkpoint_with_their_dtype(tmp_path):
     cfg = get_config("tiny", n_layers=2, mtp_depth=0)  # fast compile
-    tc = TrainConfig(model=cfg, dataset="synthetic", seq_len=16, steps=4, warmup_steps=1, adam_mu_dtype="bfloat16",
-                     adam_nu_dtype=nu_dtype)
-    want_nu = jnp.dtype(nu_dtype or jnp.float32)
+    tc = TrainConfig(model=cfg, dataset="synthetic", seq_len=16, steps=4, warmup_steps=1, moments_dtype="bfloat16")
+    want_nu = jnp.dtype(jnp.bfloat16)
     mesh = make_mesh(jax.devices()[:1])
     program = build_program(cfg, make_optimizer(tc), mesh)
     state = program.init(jax.random.key(0))
@@ -280,6 +279,5 @@ def test_bf16_moments_train_and_checkpoint_with_their_dtype(tmp_path, nu_dtype):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     state, metrics = compiled(restored, batch)  # the restored state runs the same executable
     assert np.isfinite(float(metrics["loss"]))
-    changed = "adam_nu_dtype" if nu_dtype else "adam_mu_dtype"  # resuming with another moment dtype is refused
-    with pytest.raises(ValueError, match=f"{changed}='bfloat16' in the checkpoint, None now"):
-        Checkpointer(tmp_path / "ckpt").restore(program.abstract_state, config=tc.replace(**{changed: None}).to_dict())
+    with pytest.raises(ValueError, match="moments_dtype='bfloat16' in the checkpoint, None now"):  # another dtype
+        Checkpointer(tmp_path / "ckpt").restore(program.abstract_state, config=tc.replace(moments_dtype=None).to_dict())

@@ -4,7 +4,7 @@ Used by ``03_full_deepseek`` for the exact DeepSeek-V3-671B config, where nothin
 The estimates are analytic and state their assumptions:
 
 - Training states (AdamW): parameters and gradients in ``param_dtype`` plus two moments in ``param_dtype``
-  (each in bfloat16 with ``TrainConfig.adam_mu_dtype`` / ``adam_nu_dtype="bfloat16"``).
+  (each in bfloat16 with ``TrainConfig.moments_dtype="bfloat16"``).
   Routed-expert weights are split over ``expert x tensor x pipeline``, the other weights over
   ``tensor x pipeline``; with ``fsdp`` both are further split over ``data`` (ZeRO-3 style).
 - Activations for ``per_device_batch`` sequences, at the start of the backward pass: every layer's saved
@@ -28,12 +28,12 @@ import pandas as pd
 
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
 from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS, expert_capacity
-from turbo_moe.train.config import ADAM_MU_DTYPES
+from turbo_moe.train.config import MOMENTS_DTYPES
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The moments' storage dtypes a run executes: the TrainConfig fields' values less "auto" (None: param_dtype).
-RESOLVED_MOMENT_DTYPES = tuple(d for d in ADAM_MU_DTYPES if d != "auto")
+RESOLVED_MOMENT_DTYPES = tuple(d for d in MOMENTS_DTYPES if d != "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +146,11 @@ def moe_working_set_bytes(cfg: ModelConfig, path: str, per_device_batch: int, se
 
 
 def attention_working_set_bytes(cfg: ModelConfig, per_device_batch: int, seq_len: int) -> float:
-    """One attention layer: q, k, v, output, plus (B, H, S, S) float32 scores for the XLA impl."""
+    """One attention layer on a GPU: q, k, v and the output (cuDNN's flash attention keeps no (S, S) scores)."""
     b, s, h = per_device_batch, seq_len, cfg.n_heads
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     tensors = b * s * h * (2 * qk + 2 * cfg.v_head_dim) * _BYTES[cfg.dtype]
-    scores = b * h * s * s * 4 if cfg.attention_impl == "xla" else 0
-    return tensors + scores
+    return tensors
 
 
 def _expert_block(path: str) -> bool:
@@ -329,7 +328,7 @@ def _other_params_estimate(cfg: ModelConfig) -> float:
     moe_blocks = moe_blocks_with_mtp(cfg)
     shared = moe_blocks * cfg.n_shared_experts * 3 * d * cfg.moe_ffn_dim + moe_blocks * cfg.n_experts * d
     dense = cfg.n_dense_layers * 3 * d * cfg.dense_ffn_dim
-    embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    embed = cfg.vocab_size * d * 2  # the embedding and the output head
     mtp_proj = cfg.mtp_depth * 2 * d * d
     return embed + blocks * attention + shared + dense + mtp_proj
 

@@ -9,7 +9,6 @@ field (``TypeError: ... unexpected keyword argument 'stpes'``), not the notebook
 from __future__ import annotations
 
 import ast
-import dataclasses
 import difflib
 import json
 import math
@@ -40,17 +39,19 @@ def check_train_overrides(train_overrides: Any, explicit: Iterable[str] = ()) ->
     Each value is checked by TrainConfig's own validation, so a bad value is reported here too.
     """
     from turbo_moe.train import TrainConfig
+    from turbo_moe.train.config import FIELD_NAMES, REMOVED_FIELDS
+    from turbo_moe.train.config_groups import GROUPS
 
     if train_overrides is None:
         return {}
     if not isinstance(train_overrides, Mapping):
         raise ValueError(f"parameter train_overrides: must be a dict of TrainConfig fields, got "
                          f"{type(train_overrides).__name__} {train_overrides!r}")
-    # + MaxText's top-level remat_policy, which TrainConfig.from_dict moves into the model overrides
-    fields = [f.name for f in dataclasses.fields(TrainConfig)] + ["remat_policy"]
+    # the flat names, MaxText's top-level remat_policy (TrainConfig moves it into the model overrides) included
+    fields = list(FIELD_NAMES)
     taken = set(OWN_PARAMETERS) | set(explicit)
     for key, value in train_overrides.items():
-        if key not in fields:
+        if key not in (*fields, *GROUPS, *REMOVED_FIELDS):  # a sub-config's section; a removed field says why
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; TrainConfig fields are {fields}"
             raise ValueError(f"parameter train_overrides: unknown key {key!r}{hint}")

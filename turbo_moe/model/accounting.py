@@ -54,7 +54,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     expert = 3 * d * cfg.moe_ffn_dim  # gate, up, down
     moe_ffn = (cfg.n_experts + cfg.n_shared_experts) * expert + d * cfg.n_experts  # + the router's gate
     embedding = cfg.vocab_size * d
-    head = (0 if cfg.tie_embeddings else embedding) + (cfg.vocab_size if cfg.router.head_bias != "none" else 0)
+    head = embedding + (cfg.vocab_size if cfg.router.head_bias != "none" else 0)
     n_moe = cfg.n_layers - cfg.n_dense_layers
     total = (embedding + head + d + cfg.n_layers * (attention + norms) + cfg.n_dense_layers * 3 * d * cfg.dense_ffn_dim
              + n_moe * moe_ffn)
@@ -108,8 +108,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     counts = count_params(cfg)
-    head_size = counts["embedding"] if cfg.tie_embeddings else counts["head"]
-    # The input lookup is free; the head matmul counts (tied: the embedding table is the head).
-    matmul_params = counts["active"] - counts["embedding"] + (head_size if cfg.tie_embeddings else 0)
+    head_size = counts["head"]
+    # The input lookup is free; the head matmul counts.
+    matmul_params = counts["active"] - counts["embedding"]
     matmul_params += mtp_active_params(cfg) + cfg.mtp_depth * head_size
     return 6.0 * matmul_params + attention_flops_per_token(cfg, seq_len)

@@ -21,7 +21,6 @@ EP_EXCHANGES = ("deepep", "ragged_all_to_all")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 PARAM_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_experts_attention")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_unpadded")  # turbo_moe/model/layers.py: causal_attention
 EP_LAYOUTS = ("auto", "dense", "packed", "ragged")  # turbo_moe.ops.moe_dispatch's layouts
 LOGITS_DTYPES = ("float32", "bfloat16")
 # Fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a removed
@@ -41,9 +40,14 @@ REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
     "scan_layers": (True, "each stack of blocks runs as one jax.lax.scan; the unrolled stack was slower to run and "
                           "to compile"),
     "rms_norm_eps": (1e-6, "every RMSNorm uses DeepSeek-V3's epsilon 1e-6"),
+    "rope_theta": (10000.0, "RoPE uses DeepSeek-V3's base 10000 (every preset's)"),
+    "attention_impl": ("auto", "attention runs cuDNN (v at its own width where this JAX allows it) on GPUs, XLA "
+                               "elsewhere; the other choices lost and stay reachable through layers.causal_attention"),
+    "tie_embeddings": (False, "the output head is its own matrix, as in DeepSeek-V3; no preset tied it"),
 }
 
 RMS_NORM_EPS = 1e-6  # DeepSeek-V3's (config.json rms_norm_eps); MaxText's normalization_layer_epsilon
+ROPE_THETA = 10000.0  # DeepSeek-V3's (config.json rope_theta)
 
 # The sequence load penalty's chunk loop is unrolled (router.seq_load_penalized_selection): compile time grows with it.
 MAX_SEQ_LOAD_CHUNKS = 64
@@ -98,7 +102,6 @@ class ModelConfig:
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
-    rope_theta: float = 10000.0
     max_seq_len: int = 64
     mtp_depth: int = 1
     mtp_loss_weight: float = 0.3
@@ -110,7 +113,6 @@ class ModelConfig:
     # cast_logits_to_fp32; half the bytes the loss's passes read, the loss math stays float32). A quality/speed
     # choice: the GPU presets take bfloat16 (docs/performance.md).
     logits_dtype: str = "float32"
-    balance_loss_weight: float = 1e-4
     router_bias_rate: float = 1e-3
     moe_path: str = "turbo"
     # dense_cf: slots per expert (cf x its fair share); <= 0 computes every expert densely.
@@ -126,21 +128,20 @@ class ModelConfig:
     # deepep's dispatch layout (turbo_moe.ops.moe_dispatch): "auto" (dense worst-case buffers up to 4 ranks, the
     # real rows only beyond), or one of "dense" | "packed" | "ragged" to trade memory against speed.
     ep_layout: str = "auto"
+    # Under expert parallelism, each device's tokens split into this many micro-batches in every MoE layer, one's
+    # exchange running beside another's experts (turbo_moe.model.ep_exchange.micro_batched); > 1 also compiles GPU
+    # programs with XLA's latency-hiding scheduler. 1: one batch. The tokens a device holds must divide by it.
+    ep_micro_batches: int = 1
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     # What a block keeps for its backward pass (the rest is recomputed): "none" everything, "full" its input,
     # "dots" / "dots_no_batch" JAX's matmul policies, "dots_experts_attention" = "dots_no_batch" + the routed
     # experts' GEMM inputs/outputs and cuDNN attention's outputs (custom kernels the dot policies recompute).
     remat_policy: str = "none"
-    tie_embeddings: bool = False
     init_std: float = 0.02  # std of every projection's normal init, the router's gate included (DeepSeek/Megatron)
     # The router's recipe (turbo_moe/model/router_recipes.py; the model reads its values as `router`):
     # "deepseek_v3" (DeepSeek-V3's own) or "short_run" (balanced routing for short, high-lr runs; `reduced`).
     router_recipe: str = "deepseek_v3"
-    # "auto" (on the GPU for bf16/f16: cuDNN with v at its own width where this JAX has the private entry point
-    # "cudnn_unpadded" needs, else cuDNN with v padded; XLA elsewhere), "xla", "cudnn", or "cudnn_unpadded"
-    # (layers.causal_attention).
-    attention_impl: str = "auto"
 
     def __post_init__(self):
         _validate(self)
@@ -149,6 +150,15 @@ class ModelConfig:
     @property
     def rms_norm_eps(self) -> float:
         return RMS_NORM_EPS
+
+    @property
+    def rope_theta(self) -> float:
+        return ROPE_THETA
+
+    @property
+    def balance_loss_weight(self) -> float:
+        """The auxiliary balance loss's weight: the router recipe's."""
+        return self.router.balance_loss_weight
 
     @property
     def embedding_std(self) -> float:
@@ -277,7 +287,8 @@ def _check_removed(name: str, value: Any) -> None:
             value = float(value)
         except ValueError:
             pass
-    same = value == kept or (isinstance(kept, str) and value in ("kernel", "xla") and kept == "auto")
+    auto_spellings = ("kernel", "xla", "cudnn_unpadded")  # what "auto" ran as on some device
+    same = value == kept or (isinstance(kept, str) and value in auto_spellings and kept == "auto")
     if not same or isinstance(value, bool) != isinstance(kept, bool):
         raise ValueError(f"ModelConfig field {name!r} was removed ({why}); got {value!r}: drop it from the config")
 
@@ -353,13 +364,11 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.param_dtype!r}; expected one of {PARAM_DTYPES}")
     _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
              f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
-    _require(c.attention_impl in ATTENTION_IMPLS, "attention_impl",
-             f"got {c.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
     _require(c.ep_layout in EP_LAYOUTS, "ep_layout", f"got {c.ep_layout!r}; expected one of {EP_LAYOUTS}")
     _require(c.logits_dtype in LOGITS_DTYPES, "logits_dtype", f"got {c.logits_dtype!r}; expected one of {LOGITS_DTYPES}")
     _require(c.router_recipe in ROUTER_RECIPES, "router_recipe",
              f"got {c.router_recipe!r}; expected one of {ROUTER_RECIPE_NAMES}")
-    for name in ("routed_scaling_factor", "rope_theta", "init_std"):
+    for name in ("routed_scaling_factor", "init_std"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name,
                  f"must be a positive finite number, got {value!r}")
@@ -369,7 +378,7 @@ def _validate(c: ModelConfig) -> None:
              f"router_recipe {c.router_recipe!r} runs the sequence load penalty over chunks of "
              f"{recipe.seq_load_chunk} tokens, each unrolled into the program: {c.max_seq_len} tokens make {n_chunks} "
              f"chunks, at most {MAX_SEQ_LOAD_CHUNKS} (max_seq_len <= {MAX_SEQ_LOAD_CHUNKS * recipe.seq_load_chunk})")
-    for name in ("mtp_loss_weight", "balance_loss_weight", "router_bias_rate"):
+    for name in ("mtp_loss_weight", "router_bias_rate"):
         value = getattr(c, name)
         _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,
                  f"must be a finite number >= 0, got {value!r}")
@@ -382,7 +391,8 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
     _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
              "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
-    _require(isinstance(c.tie_embeddings, bool), "tie_embeddings", f"must be a bool, got {c.tie_embeddings!r}")
+    _require(type(c.ep_micro_batches) is int and c.ep_micro_batches >= 1, "ep_micro_batches",
+             f"must be an int >= 1 (1: no micro-batches), got {c.ep_micro_batches!r}")
 
 
 # ---------------------------------------------------------------- presets
@@ -413,7 +423,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32768, d_model=1280, n_layers=16, n_dense_layers=1, dense_ffn_dim=3584, moe_ffn_dim=512,
         n_experts=64, n_shared_experts=1, top_k=6, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,
         n_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
-        v_head_dim=64, max_seq_len=2048, mtp_depth=1, mtp_loss_weight=0.3, balance_loss_weight=1e-4,
+        v_head_dim=64, max_seq_len=2048, mtp_depth=1, mtp_loss_weight=0.3,
         remat_policy="dots_experts_attention", init_std=0.006, loss_chunk_tokens=4096, logits_dtype="bfloat16",
         router_recipe="short_run", router_bias_rate=1e-2,
     ),
@@ -422,8 +432,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=129280, d_model=7168, n_layers=61, n_dense_layers=3, dense_ffn_dim=18432, moe_ffn_dim=2048,
         n_experts=256, n_shared_experts=1, top_k=8, n_groups=8, topk_groups=4, routed_scaling_factor=2.5,
         n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, rope_theta=10000.0, max_seq_len=4096, mtp_depth=1, mtp_loss_weight=0.3,
-        balance_loss_weight=1e-4, router_bias_rate=1e-3, remat_policy="full", init_std=0.006,
+        v_head_dim=128, max_seq_len=4096, mtp_depth=1, mtp_loss_weight=0.3,
+        router_bias_rate=1e-3, remat_policy="full", init_std=0.006,
         loss_chunk_tokens=4096, logits_dtype="bfloat16",
     ),
 }

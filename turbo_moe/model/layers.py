@@ -157,7 +157,7 @@ class MLAttention(nnx.Module):
         k_nope, v = split_last(kv, (nope, vdim))
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, rope))], axis=-1)  # (B, S, H, qk)
 
-        out = causal_attention(q, k, v, cfg.attention_impl)  # (B, S, H, v)
+        out = causal_attention(q, k, v)  # (B, S, H, v)
         return self.wo(out.reshape(b, s, h * vdim))
 
 
@@ -165,7 +165,7 @@ class MLAttention(nnx.Module):
 ATTENTION_SAVE_NAME = "attention_qkv"
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "auto") -> jax.Array:
     """softmax(q k^T / sqrt(d_qk)) v, causal, via jax.nn.dot_product_attention.
 
     q, k (B, S, H, Dqk); v (B, S, H, Dv) -> (B, S, H, Dv). jax.nn.dot_product_attention needs one head
@@ -212,7 +212,7 @@ def _cudnn_unpadded():
     try:
         from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
     except ImportError as error:
-        warnings.warn(f"attention_impl 'auto' / 'cudnn_unpadded': this JAX ({jax.__version__}) has no "
+        warnings.warn(f"cuDNN attention with v at its own width: this JAX ({jax.__version__}) has no "
                       f"jax._src.cudnn.fused_attention_stablehlo ({error}); v is padded instead", RuntimeWarning)
         return None
     return lambda q, k, v, scale: dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL)

@@ -67,8 +67,7 @@ class DeepSeekModel(nnx.Module):
         self.dense_layers = BlockStack(cfg, 0, n_dense, rngs) if n_dense else None
         self.moe_layers = BlockStack(cfg, n_dense, n_moe, rngs) if n_moe else None
         self.final_norm = RMSNorm(cfg.d_model, cfg)
-        self.head = None if cfg.tie_embeddings else linear(
-            cfg, cfg.d_model, cfg.vocab_size, rngs, preferred_element_type=jnp.dtype(cfg.logits_dtype))
+        self.head = linear(cfg, cfg.d_model, cfg.vocab_size, rngs, preferred_element_type=jnp.dtype(cfg.logits_dtype))
         # float32 whatever the param dtype: log-frequencies span ~15 nats, bf16 would round them by ~0.06
         self.head_bias = (None if cfg.router.head_bias == "none"
                           else nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32)))
@@ -77,21 +76,13 @@ class DeepSeekModel(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """Normalised hidden (B, S, D) -> float32 logits (B, S, V) through the (shared) output head (the GEMM's
         output in `cfg.logits_dtype`, upcast)."""
-        if self.head is None:
-            logits = jnp.einsum("bsd,vd->bsv", h, self.embed.embedding[...].astype(h.dtype),
-                                preferred_element_type=jnp.dtype(self.cfg.logits_dtype))
-        else:
-            logits = self.head(h)
-        logits = logits.astype(jnp.float32)
+        logits = self.head(h).astype(jnp.float32)
         return logits if self.head_bias is None else logits + self.head_bias[...]
 
     def head_weight(self) -> tuple[jax.Array, bool, jax.Array | None]:
-        """The output head's weight in the parameter dtype, whether it is vocab-major (the tied
-        embedding (V, D), else the head kernel (D, V)), and its float32 (V,) bias or None. For losses
-        that apply the head themselves."""
+        """The output head's kernel (D, V) in the parameter dtype, whether it is vocab-major (False: chunked_loss
+        also takes a (V, D) weight), and its float32 (V,) bias or None. For losses that apply the head themselves."""
         bias = None if self.head_bias is None else self.head_bias[...]
-        if self.head is None:
-            return self.embed.embedding[...], True, bias
         return self.head.kernel[...], False, bias
 
     def _embed(self, ids: jax.Array) -> jax.Array:

@@ -1,10 +1,11 @@
 """The router recipes: `ModelConfig.router_recipe` names one, and the model reads its values (`ModelConfig.router`).
 
 A recipe is one choice, fidelity to DeepSeek-V3's own router against balanced routing in short, high-learning-rate
-runs (docs/configuration.md has the measurements), so it is one field rather than seven. The seven fields it
-replaced are still read from older configs and records: a combination equal to a recipe is that recipe
-(`recipe_named_by`); in a config to run any other is refused, and a record (history, `ModelConfig.from_record`)
-that holds one reads as its base recipe, the other values dropped, as removed fields are.
+runs (docs/configuration.md has the measurements), so it is one field rather than eight. The eight fields it
+replaced (the balance loss's weight among them, the same in both recipes) are still read from older configs and
+records: a combination equal to a recipe is that recipe (`recipe_named_by`); in a config to run any other is
+refused, and a record (history, `ModelConfig.from_record`) that holds one reads as its base recipe, the other
+values dropped, as removed fields are.
 """
 
 from __future__ import annotations
@@ -46,16 +47,20 @@ class RouterRecipe:
     seq_load_penalty: float
     # Shorter chunks react sooner; each is one more top-k in the program (the chunk loop is unrolled).
     seq_load_chunk: int
+    # Weight of the auxiliary sequence-wise balance loss in the training loss (DeepSeek-V3's alpha, 1e-4).
+    balance_loss_weight: float
 
 
 _RECIPES = {
     # DeepSeek-V3's own router (tiny, small, deepseek_v3_671b).
     "deepseek_v3": RouterRecipe(head_bias="none", zero_init_out_proj=False, lr_scale=1.0, bias_update="sign",
-                                center_causal=False, seq_load_penalty=0.0, seq_load_chunk=128),
+                                center_causal=False, seq_load_penalty=0.0, seq_load_chunk=128,
+                                balance_loss_weight=1e-4),
     # Balanced routing for short, high-learning-rate runs (reduced): no step over 2.0 max/mean load where
     # DeepSeek-V3's settings dropped 26.5% at cf 1.25 (docs/configuration.md).
     "short_run": RouterRecipe(head_bias="unigram", zero_init_out_proj=True, lr_scale=0.1, bias_update="proportional",
-                              center_causal=True, seq_load_penalty=0.1, seq_load_chunk=128),
+                              center_causal=True, seq_load_penalty=0.1, seq_load_chunk=128,
+                              balance_loss_weight=1e-4),
 }
 ROUTER_RECIPES: Mapping[str, RouterRecipe] = MappingProxyType(_RECIPES)  # read-only: a recipe is a recorded name
 ROUTER_RECIPE_NAMES = tuple(ROUTER_RECIPES)
@@ -69,6 +74,7 @@ RECIPE_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "router_center_causal": ("center_causal", "bool"),
     "router_seq_load_penalty": ("seq_load_penalty", "float"),
     "router_seq_load_chunk": ("seq_load_chunk", "int"),
+    "balance_loss_weight": ("balance_loss_weight", "float"),
 })
 
 

@@ -10,7 +10,7 @@ from turbo_moe._extras import require
 require("turbo_moe.train")  # a clear ImportError naming the extra
 
 from turbo_moe.train.checkpoint import Checkpointer
-from turbo_moe.train.config import TrainConfig
+from turbo_moe.train.config import CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from turbo_moe.train.loop import OutOfMemory, run
 from turbo_moe.train.metrics import PEAK_BF16_FLOPS, peak_flops
 from turbo_moe.train.result import STATUSES, RunResult
@@ -29,7 +29,8 @@ from turbo_moe.train.step import (
 )
 
 __all__ = [
-    "Checkpointer", "OutOfMemory", "PEAK_BF16_FLOPS", "Program", "RunResult", "STATUSES", "TrainConfig",
+    "CheckpointConfig", "Checkpointer", "DataConfig", "OptimizerConfig", "OutOfMemory", "PEAK_BF16_FLOPS",
+    "ParallelConfig", "Program", "RunResult", "STATUSES", "TrainConfig",
     "TrainState", "build_program", "init_state", "learning_rate_schedule", "make_eval_step", "make_mesh",
     "make_optimizer", "make_train_step", "master_params", "peak_flops", "run", "with_head_bias",
 ]

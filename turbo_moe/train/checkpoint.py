@@ -46,9 +46,8 @@ log = logging.getLogger(__name__)
 # TrainConfig fields that must match for a resumed run to continue the same run: any other value would
 # silently change the trajectory (steps, eval/checkpoint cadence, progress may change).
 RESUME_FIELDS = ("model", "model_overrides", "dataset", "text_field", "val_fraction", "per_device_batch",
-                 "expert_parallel", "seq_len", "learning_rate", "warmup_steps", "lr_schedule_steps",
-                 "min_lr_ratio", "weight_decay", "adam_b1", "adam_b2", "adam_mu_dtype", "adam_nu_dtype",
-                 "grad_clip", "remat_policy", "seed", "master_weights")
+                 "expert_parallel", "learning_rate", "warmup_steps", "lr_schedule_steps", "min_lr_ratio",
+                 "weight_decay", "adam_b1", "adam_b2", "moments_dtype", "grad_clip", "seed", "master_weights")
 # Fields a checkpoint's record may lack (written before the field existed): the value such a run had.
 RESUME_DEFAULTS = {"master_weights": "float32"}
 # Why a difference matters where the generic advice (another checkpoint_dir, or resume=False) is not the whole story.
@@ -82,11 +81,25 @@ def _reason(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:1500]
 
 
+def _as_now(config: dict) -> dict:
+    """A recorded config in today's flat fields (an older checkpoint's seq_len is now the model's max_seq_len, its
+    two moment dtypes one field), or as written where it does not read as a TrainConfig."""
+    from turbo_moe.train.config import TrainConfig
+
+    try:
+        now = TrainConfig.from_record(config).to_dict()
+    except (TypeError, ValueError):
+        return config
+    moved = {"model_overrides": "seq_len" in config, "moments_dtype": "adam_mu_dtype" in config}
+    return {k: v for k, v in now.items() if k in config or moved.get(k)}
+
+
 def check_resume_config(saved: dict | None, current: dict) -> None:
     """Raise ValueError naming every field in which the checkpoint's run differs from this one."""
     if not saved:
         return
-    saved = {**{k: v for k, v in RESUME_DEFAULTS.items() if k in current}, **saved}
+    saved = _as_now({**{k: v for k, v in RESUME_DEFAULTS.items() if k in current}, **saved})
+    current = _as_now(current)
     changed = [k for k in RESUME_FIELDS if k in saved and k in current and saved[k] != current[k]]
     if changed:
         diffs = "; ".join(f"{k}={saved[k]!r} in the checkpoint, {current[k]!r} now" for k in changed)

@@ -4,10 +4,11 @@
     train_from_file(path, sets, record=None)   # this process: one of a job when the environment says so
     launch_local(path, sets, processes=2, gpus=2)  # one `turbo-moe train` per GPU of this host
 
-A config file is a YAML (or JSON) mapping of `TrainConfig` fields, model overrides nested under
-`model_overrides` (or a whole ModelConfig mapping under `model`), as `TrainConfig.from_dict` reads them.
-`--set key=value` replaces one value after the file is read: `key` is a field, or a dotted path into a
-nested mapping (`model_overrides.moe_path=turbo`); `value` is read as YAML (`20`, `3e-3`, `true`, `null`,
+A config file is a YAML (or JSON) mapping of `TrainConfig` fields, flat or in a section per sub-config
+(`optimizer:`, `data:`, `parallel:`, `checkpoint:`), model overrides nested under `model_overrides` (or a whole
+ModelConfig mapping under `model`), as `TrainConfig.from_dict` reads them. `--set key=value` replaces one value
+after the file is read: `key` is a field, or a dotted path into a nested mapping (`model_overrides.moe_path=turbo`,
+`optimizer.learning_rate=1e-3`); `value` is read as YAML (`20`, `3e-3`, `true`, `null`,
 `ragged`). The config checks every value and names the field it refuses.
 """
 

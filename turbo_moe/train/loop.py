@@ -2,8 +2,8 @@
 
 Timing is honest: the train step is compiled ahead of time (compile time reported separately), each
 step is timed from the previous step's completion to its own (host data preparation overlaps the
-device work), evaluation and checkpointing are excluded, and the first `skip_steps_for_tgs` steps
-are left out of TGS/MFU.
+device work), evaluation and checkpointing are excluded, and the first `metrics.TGS_SKIP_STEPS` steps (half of
+a shorter run) are left out of TGS/MFU.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ class _Trainer:
     # ------------------------------------------------------------------ run-level figures
     def summary(self) -> dict[str, Any]:
         tc, history = self.tc, self.result.history
-        timed = self.step_times[tc.skip_steps_for_tgs:]
+        timed = M.timed_steps(self.step_times)
         tgs = M.tokens_per_device_per_second(self.tokens_per_device, timed)
         device = jax.devices()[0]
         peak, peak_source = M.peak_flops(device.device_kind, device.platform)

@@ -1,4 +1,4 @@
-"""AdamW's second moment stored in a low-precision dtype (`TrainConfig.adam_nu_dtype`).
+"""AdamW's second moment stored in a low-precision dtype (`TrainConfig.moments_dtype`).
 
 optax has `mu_dtype` but no `nu_dtype`: `with_adam_nu_dtype` wraps optax's own adamw (its arithmetic unchanged, on a
 float32 copy of the stored nu) and rounds only the nu kept for the next step. A bfloat16 nu is rounded stochastically:

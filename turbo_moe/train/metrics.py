@@ -47,6 +47,16 @@ def peak_flops(device_kind: str, platform_name: str) -> tuple[float, str]:
     return math.nan, f"unknown ({platform_name}: {device_kind})"
 
 
+# Steps after compile left out of TGS and MFU (first-step transfers, the allocator's growth), or half of a shorter run.
+# Five, as the GPU path comparisons measured; records keep the value they ran with.
+TGS_SKIP_STEPS = 5
+
+
+def timed_steps(step_times: Sequence[float]) -> Sequence[float]:
+    """The step times TGS and MFU are measured over: all but the first TGS_SKIP_STEPS (half of a shorter run)."""
+    return step_times[min(TGS_SKIP_STEPS, len(step_times) // 2):]
+
+
 def tokens_per_device_per_second(tokens_per_device: int, step_times: Sequence[float]) -> float:
     """TGS over the given steps: total tokens / total time (not a mean of per-step rates)."""
     total = float(np.sum(step_times)) if len(step_times) else 0.0

@@ -17,7 +17,7 @@ class RunResult:
 
     history: one dict per logged step (step, loss, ce_loss, eval_loss (NaN when not evaluated),
     step_time_s, tgs, dropped_fraction, load_max_over_mean, lr, grad_norm, ...).
-    summary: run-level figures — tgs (tokens/device/s over the steps after `skip_steps_for_tgs`,
+    summary: run-level figures — tgs (tokens/device/s over the steps after `metrics.TGS_SKIP_STEPS`,
     total tokens / total time), tgs_steps, step_time_s, mfu with peak_flops and peak_flops_source,
     flops_per_token, peak_memory_bytes with memory_source, compiled_temp_bytes / compiled_total_bytes /
     compiled_memory (XLA's analysis of the step, per device), device_memory_limit_bytes (+ source),

@@ -123,7 +123,7 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     `build_program`'s cache (keyed on it) hits across runs."""
     tc = tc.resolved()
     return _optimizer(tc.learning_rate, tc.warmup_steps, tc.schedule_steps, tc.min_lr_ratio, tc.weight_decay,
-                      tc.adam_b1, tc.adam_b2, tc.grad_clip, tc.adam_mu_dtype, tc.adam_nu_dtype)
+                      tc.adam_b1, tc.adam_b2, tc.grad_clip, tc.moments_dtype, tc.moments_dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -257,12 +257,17 @@ class Program:
     refresh_compute: Callable | None = None
 
 
-def compiler_options(gpu_autotune_level: int | None) -> dict | None:
+def compiler_options(gpu_autotune_level: int | None, ep_micro_batches: int = 1) -> dict | None:
     """Per-program XLA options. On the GPU, autotune level 0 skips timing GEMM variants at compile time:
-    faster compiles, much slower steps without an autotune cache (docs/configuration.md)."""
-    if gpu_autotune_level is None or jax.default_backend() != "gpu":
+    faster compiles, much slower steps without an autotune cache (docs/configuration.md). ModelConfig.ep_micro_batches
+    > 1 turns on XLA's latency-hiding scheduler, which places compute between an async collective's start and done
+    (docs/expert-parallel.md)."""
+    if jax.default_backend() != "gpu":
         return None
-    return {"xla_gpu_autotune_level": gpu_autotune_level}
+    options = {} if gpu_autotune_level is None else {"xla_gpu_autotune_level": gpu_autotune_level}
+    if ep_micro_batches > 1:
+        options["xla_gpu_enable_latency_hiding_scheduler"] = True
+    return options or None
 
 
 def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module, split: bool = False) -> ComputeCast:
@@ -296,7 +301,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     if split_master and cast_params_in_update:
         raise ValueError("build_program: split_master (TrainConfig.master_weights='split') already keeps the bf16 "
                          "compute copy in the state: pass cast_params_in_update=False")
-    options = compiler_options(gpu_autotune_level)
+    options = compiler_options(gpu_autotune_level, model_cfg.ep_micro_batches)
     key = jax.random.key(0)
     abstract_model = nnx.eval_shape(lambda: DeepSeekModel(model_cfg, rngs=nnx.Rngs(key)))  # no allocation
     cast = compute_cast(model_cfg, abstract_model, split_master) if cast_params_in_update or split_master else None
@@ -341,12 +346,10 @@ def device_choices(model_cfg: ModelConfig, platform: str | None = None) -> dict[
 
     platform = platform or jax.default_backend()
     gpu = platform == "gpu"
-    attention = model_cfg.attention_impl
-    if attention == "auto":
-        if not (gpu and model_cfg.dtype in ("bfloat16", "float16")):
-            attention = "xla"
-        else:
-            attention = "cudnn_unpadded" if _cudnn_unpadded() is not None else "cudnn"
+    if not (gpu and model_cfg.dtype in ("bfloat16", "float16")):
+        attention = "xla"
+    else:
+        attention = "cudnn_unpadded" if _cudnn_unpadded() is not None else "cudnn"
     row = path_row(model_cfg.moe_path)
     return {"platform": platform, "attention": attention,
             "swiglu_kernels": gpu and row.gemm == "turbo" and row.exchange == "permute",

@@ -1,0 +1,154 @@
+"""TrainConfig's sub-configs, one frozen dataclass per concern: the optimizer, the data, the mesh, the checkpoints.
+
+Each validates its own fields (`ValueError` naming the field as `TrainConfig.<flat name>`, the name a user writes).
+`FLAT_FIELDS` maps each flat name (MaxText's configs are one flat namespace, and so are our records) to its
+sub-config and attribute: `TrainConfig` reads, builds and records them flat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+MOMENTS_DTYPES = ("auto", None, "bfloat16", "float32")  # None: the parameters' dtype
+MASTER_WEIGHTS = ("auto", "float32", "split")  # turbo_moe/train/split_master.py
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"TrainConfig.{field}: {message}")
+
+
+def require_int(value: Any, field: str, minimum: int) -> None:
+    kind = "positive" if minimum == 1 else "non-negative"
+    require(_is_int(value) and value >= minimum, field, f"must be a {kind} int, got {value!r}")
+
+
+def _path_or_none(value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else value  # stored as str: the config stays JSON-serialisable
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW (DeepSeek-V3's recipe) and its schedule: a linear warm-up over `warmup_steps`, then a cosine decay to
+    `min_lr_ratio * learning_rate` at `lr_schedule_steps` (None: the run's `steps`; set it when a run is split into
+    several invocations)."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    lr_schedule_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    # The storage dtype of both AdamW moments (a quality/speed choice: the update is memory-bound). "bfloat16" is
+    # DeepSeek-V3's recipe: mu through optax's mu_dtype, nu through turbo_moe.train.low_precision_adam, which rounds
+    # it stochastically (DeepSeek-V3's round-to-nearest cost +0.074 nats at 300 steps, docs/configuration.md). None:
+    # the parameters' dtype. "auto": bfloat16 on GPUs, None on the CPU.
+    moments_dtype: str | None = "auto"
+    # How the stacked layers' float32 master weights are kept (turbo_moe.train.split_master): "float32", or "split":
+    # as their bf16 compute copy (what the forward reads; rounded half up, not to nearest-even, at exact ties) + the
+    # 16 low bits, exact together: the update reads and writes 4 bytes a weight and the forward reads the bf16 copy.
+    # Needs the model's dtype bfloat16 and param_dtype float32. "auto": "split" on GPUs where it applies, else
+    # "float32". Checkpoints hold the layout they were written in: resume with the same (resolved) setting.
+    master_weights: str = "auto"
+
+    def __post_init__(self):
+        require(_is_number(self.learning_rate) and self.learning_rate > 0, "learning_rate",
+                f"must be a positive finite number, got {self.learning_rate!r}")
+        require_int(self.warmup_steps, "warmup_steps", 0)
+        require(self.lr_schedule_steps is None or (_is_int(self.lr_schedule_steps) and self.lr_schedule_steps > 0),
+                "lr_schedule_steps", f"must be None or a positive int, got {self.lr_schedule_steps!r}")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            require(_is_number(value) and value >= 0, name, f"must be a finite number >= 0, got {value!r}")
+        for name in ("min_lr_ratio", "adam_b1", "adam_b2"):
+            value = getattr(self, name)
+            require(_is_number(value) and 0 <= value <= 1, name, f"must be in [0, 1], got {value!r}")
+        require(self.moments_dtype is None or (isinstance(self.moments_dtype, str)
+                                               and self.moments_dtype in MOMENTS_DTYPES),
+                "moments_dtype", f"got {self.moments_dtype!r}; expected one of {MOMENTS_DTYPES}")
+        require(isinstance(self.master_weights, str) and self.master_weights in MASTER_WEIGHTS, "master_weights",
+                f"got {self.master_weights!r}; expected one of {MASTER_WEIGHTS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The corpus, its held-out share and the batch. The sequence length is the model's `max_seq_len`."""
+
+    dataset: str = "shakespeare"  # "shakespeare" | "synthetic" | a path (txt/jsonl/json.gz/parquet)
+    text_field: str = "text"  # the JSON/Parquet column holding the text
+    val_fraction: float = 0.05
+    per_device_batch: int = 8
+    data_dir: str | None = None  # None: $TURBO_MOE_DATA_DIR or ~/.cache/turbo_moe
+
+    def __post_init__(self):
+        for name in ("dataset", "data_dir"):
+            object.__setattr__(self, name, _path_or_none(getattr(self, name)))
+        require(isinstance(self.dataset, str) and self.dataset != "", "dataset",
+                f"must be 'shakespeare', 'synthetic' or a path, got {self.dataset!r}")
+        require(isinstance(self.text_field, str) and self.text_field != "", "text_field",
+                f"must be a non-empty str, got {self.text_field!r}")
+        require(_is_number(self.val_fraction) and 0 < self.val_fraction < 1, "val_fraction",
+                f"must be in (0, 1), got {self.val_fraction!r}")
+        require_int(self.per_device_batch, "per_device_batch", 1)
+        require(self.data_dir is None or (isinstance(self.data_dir, str) and self.data_dir != ""), "data_dir",
+                f"must be None or a non-empty path, got {self.data_dir!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The mesh: (devices / expert_parallel, expert_parallel) over ("data", "expert")."""
+
+    expert_parallel: int = 1  # routed experts split over this many devices
+    # ZeRO-3 / FSDP: shard every training state over the devices (turbo_moe.model.sharding); False replicates the
+    # non-expert states over all devices and the expert states over "data".
+    fsdp: bool = True
+
+    def __post_init__(self):
+        require_int(self.expert_parallel, "expert_parallel", 1)
+        require(isinstance(self.fsdp, bool), "fsdp", f"must be a bool, got {self.fsdp!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints and the run record in `dir` (needed to resume): disk against what a crash loses."""
+
+    dir: str | None = None
+    every: int = 0  # steps between saves; 0: only at the end (when `dir` is set)
+    keep: int = 2
+    resume: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "dir", _path_or_none(self.dir))
+        require(self.dir is None or (isinstance(self.dir, str) and self.dir != ""), "checkpoint_dir",
+                f"must be None or a non-empty path, got {self.dir!r}")
+        require_int(self.every, "checkpoint_every", 0)
+        require_int(self.keep, "keep_checkpoints", 1)
+        require(isinstance(self.resume, bool), "resume", f"must be a bool, got {self.resume!r}")
+        require(not self.resume or self.dir is not None, "resume", "resume=True needs a checkpoint_dir")
+
+
+GROUPS: dict[str, type] = {"optimizer": OptimizerConfig, "data": DataConfig, "parallel": ParallelConfig,
+                           "checkpoint": CheckpointConfig}
+# Flat name (records, YAML, --set, keyword arguments, attribute reads) -> (sub-config, its attribute).
+FLAT_FIELDS: dict[str, tuple[str, str]] = {
+    **{f.name: (group, f.name) for group in ("optimizer", "data", "parallel")
+       for f in dataclasses.fields(GROUPS[group])},
+    "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
+    "keep_checkpoints": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
+}
+# Sub-config attribute -> flat name, per sub-config (a YAML section `checkpoint: {dir: ...}` names attributes).
+FLAT_NAMES: dict[str, dict[str, str]] = {group: {attr: flat for flat, (g, attr) in FLAT_FIELDS.items() if g == group}
+                                         for group in GROUPS}
