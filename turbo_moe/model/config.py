@@ -26,6 +26,8 @@ LOGITS_DTYPES = ("float32", "bfloat16")
 # Fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a removed
 # field set to the kept behaviour (old records and specs), and refuses any other value with the reason.
 REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
+    "ep_micro_batches": (1, "two micro-batches per MoE layer ran slower than one on two H200s: XLA overlapped none of "
+                            "the exchange's collectives (docs/expert-parallel.md)"),
     "cast_params_before_scan": (True, "the stacked weights are always cast to the compute dtype before the layer scan"),
     "router_topk_impl": ("auto", "the router_topk kernel picks the experts on GPUs, jnp elsewhere (the same picks)"),
     "embedding_grad": ("segment", "the embedding's backward is always turbo_moe.ops.segment_sum"),
@@ -128,10 +130,6 @@ class ModelConfig:
     # deepep's dispatch layout (turbo_moe.ops.moe_dispatch): "auto" (dense worst-case buffers up to 4 ranks, the
     # real rows only beyond), or one of "dense" | "packed" | "ragged" to trade memory against speed.
     ep_layout: str = "auto"
-    # Under expert parallelism, each device's tokens split into this many micro-batches in every MoE layer, one's
-    # exchange running beside another's experts (turbo_moe.model.ep_exchange.micro_batched); > 1 also compiles GPU
-    # programs with XLA's latency-hiding scheduler. 1: one batch. The tokens a device holds must divide by it.
-    ep_micro_batches: int = 1
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     # What a block keeps for its backward pass (the rest is recomputed): "none" everything, "full" its input,
@@ -391,8 +389,6 @@ def _validate(c: ModelConfig) -> None:
              f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
     _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
              "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
-    _require(type(c.ep_micro_batches) is int and c.ep_micro_batches >= 1, "ep_micro_batches",
-             f"must be an int >= 1 (1: no micro-batches), got {c.ep_micro_batches!r}")
 
 
 # ---------------------------------------------------------------- presets

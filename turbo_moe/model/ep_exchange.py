@@ -8,14 +8,11 @@ stage itself: `ep(local, stage=..., ffn=...)(tokens, expert_ids, combine_w, n_ex
   the stage sums its local experts; `moe_combine` brings the sums back.
 - `all_to_all`: capacity slots (E, B, C, D) to the experts' owners (split E, gather B), ffn, and back.
 Buffers are static worst cases (ragged: P*T*k received rows), so no count ever goes to the host.
-ragged_all_to_all and deepep are `PhasedStage`s (dispatch, compute, combine): `micro_batched` runs several
-micro-batches of the tokens with one's exchange beside another's experts.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,45 +28,26 @@ from turbo_moe.ops.varying import make_varying, varying_axes
 EP_RECEIVED_NAME = "moe_ep_received"
 
 
-class PhasedStage(NamedTuple):
-    """An EP exchange as three phases, so that `micro_batched` can interleave several micro-batches' phases:
-    `dispatch(tokens, expert_ids, combine_w, n_experts) -> sent` (the collective there), `compute(sent, n_experts)
-    -> done` (this rank's experts), `combine(done) -> (y, computed)` (the collective back). Called, it is a Stage."""
-
-    dispatch: Callable
-    compute: Callable
-    combine: Callable
-
-    def __call__(self, tokens, expert_ids, combine_w, n_experts: int):
-        return self.combine(self.compute(self.dispatch(tokens, expert_ids, combine_w, n_experts), n_experts))
-
-
 def ragged_all_to_all(local, *, stage, axis_name: str, impl: str, **_):
     """EP exchange through `ragged_exchange` around a token exchange `local` (sort or permute)."""
 
-    def dispatch(tokens, expert_ids, combine_w, n_experts: int):
+    def exchange(tokens, expert_ids, combine_w, n_experts: int):
         t, k = expert_ids.shape
-        n_recv = jax.lax.axis_size(axis_name) * t * k  # worst case: every copy of every rank comes here
-        rows, expert_sizes, back = local.to_rows(tokens, expert_ids, n_experts)  # (T*k, D) by global expert = rank
-        plan, recv_counts = exchange_plan(expert_sizes, axis_name)
-        received = ragged_exchange(rows, plan, n_recv, axis_name, impl)  # (n_recv, D)
-        return received, recv_counts, (plan, back, combine_w, expert_sizes.sum())
+        n_ranks = jax.lax.axis_size(axis_name)
+        n_local = n_experts // n_ranks
+        n_recv = n_ranks * t * k  # worst case: every copy of every rank comes here
 
-    def compute(sent, n_experts: int):
-        received, recv_counts, keep = sent
-        n_recv = received.shape[0]
-        local_expert = received_local_expert(recv_counts, n_recv)  # (n_recv,), El past the data
-        ones = make_varying(jnp.ones((n_recv, 1), jnp.float32), varying_axes(received))
-        out_recv, _ = stage(received, local_expert[:, None], ones, n_experts // jax.lax.axis_size(axis_name))
-        return out_recv, keep
+        def remote_ffn(rows, expert_sizes):  # rows (T*k, D) sorted by global expert = by rank
+            plan, recv_counts = exchange_plan(expert_sizes, axis_name)
+            received = ragged_exchange(rows, plan, n_recv, axis_name, impl)  # (n_recv, D)
+            local_expert = received_local_expert(recv_counts, n_recv)  # (n_recv,), El past the data
+            ones = make_varying(jnp.ones((n_recv, 1), jnp.float32), varying_axes(received))
+            out_recv, _ = stage(received, local_expert[:, None], ones, n_local)  # (n_recv, D)
+            return ragged_exchange(out_recv, plan.reversed(), t * k, axis_name, impl)  # (T*k, D)
 
-    def combine(done):
-        out_recv, (plan, back, combine_w, computed) = done
-        t, k = combine_w.shape
-        out_rows = ragged_exchange(out_recv, plan.reversed(), t * k, axis_name, impl)  # (T*k, D)
-        return local.from_rows(out_rows, back, combine_w), computed
+        return local(tokens, expert_ids, combine_w, n_experts, remote_ffn)
 
-    return PhasedStage(dispatch, compute, combine)
+    return exchange
 
 
 def deepep(local, *, stage, axis_name: str, capacity: int | None, impl: str = NATIVE, layout: str = "auto", **_):
@@ -81,81 +59,17 @@ def deepep(local, *, stage, axis_name: str, capacity: int | None, impl: str = NA
     dispatch."""
     del local  # the stage lays out the received copies itself
 
-    def dispatch(tokens, expert_ids, combine_w, n_experts: int):
+    def exchange(tokens, expert_ids, combine_w, n_experts: int):
+        n_local = n_experts // jax.lax.axis_size(axis_name)
         recv_x, recv_ids, recv_w, handle = ops.moe_dispatch(
             tokens, expert_ids, combine_w, num_experts=n_experts, axis_name=axis_name, capacity=capacity,
             layout=layout, impl=impl)
         # recv_x (P*C, D): one row per (source token, this rank); recv_ids (P*C, k) local ids, -1 = none.
-        return tuple(saved(t, EP_RECEIVED_NAME) for t in (recv_x, recv_ids, recv_w)), handle
-
-    def compute(sent, n_experts: int):
-        (recv_x, recv_ids, recv_w), handle = sent
-        n_local = n_experts // jax.lax.axis_size(axis_name)
+        recv_x, recv_ids, recv_w = (saved(t, EP_RECEIVED_NAME) for t in (recv_x, recv_ids, recv_w))
         per_token, computed = stage(recv_x, recv_ids, recv_w, n_local)  # (P*C, D) local experts summed
-        return per_token, computed, handle
-
-    def combine(done):
-        per_token, computed, handle = done
         return ops.moe_combine(per_token, handle, axis_name=axis_name), computed  # (T, D)
 
-    return PhasedStage(dispatch, compute, combine)
-
-
-# Named scopes of micro-batch i's phases, under "ep_micro_batch{i}" (for profiles and tests)
-PHASE_NAMES = ("ep_dispatch", "ep_experts", "ep_combine")
-
-
-def micro_batched(stage, n: int):
-    """`stage` run on n equal micro-batches of the tokens, its exchange overlapped with its experts.
-
-    With a PhasedStage, micro-batch i is dispatched while micro-batch i-1's experts run, and combined while micro-batch
-    i+1's experts run (DeepSeek-V3's dual micro-batch overlap, MaxText's batch split): at each step every micro-batch
-    in flight moves one phase on, and their values first pass one optimization barrier together. The barrier is the
-    order: a collective of step s cannot start before step s-1's collectives are done (so XLA cannot merge two
-    micro-batches' collectives into one) and runs beside the experts of step s. Its transpose orders the backward
-    pass the same way, mirrored. Other stages run their micro-batches one after another. Results equal one batch's
-    (the tokens are independent), except a deepep capacity, which then applies to each micro-batch."""
-    if n == 1:
-        return stage
-
-    def run(tokens, expert_ids, combine_w, n_experts: int):
-        t = tokens.shape[0]
-        if t % n:
-            raise ValueError(f"ep_micro_batches={n}: the {t} tokens of a rank must divide into {n} equal micro-batches")
-        m = t // n
-        parts = [(tokens[i * m:(i + 1) * m], expert_ids[i * m:(i + 1) * m], combine_w[i * m:(i + 1) * m])
-                 for i in range(n)]
-        if not isinstance(stage, PhasedStage):
-            outs = [stage(*part, n_experts) for part in parts]
-        else:
-            phases = (lambda v: stage.dispatch(*v, n_experts), lambda v: stage.compute(v, n_experts), stage.combine)
-            values = list(parts)  # micro-batch i at step s is in phase s - i: 0..2 the phases, 3 done
-            for step in range(n + len(phases)):
-                live = [i for i in range(n) if 0 <= step - i <= len(phases)]
-                if len(live) > 1:
-                    with jax.named_scope("ep_micro_batch_order"):
-                        synced = _barrier_floats([values[i] for i in live])
-                    for i, v in zip(live, synced):
-                        values[i] = v
-                for i in live:
-                    if step - i < len(phases):
-                        with jax.named_scope(f"ep_micro_batch{i}"), jax.named_scope(PHASE_NAMES[step - i]):
-                            values[i] = phases[step - i](values[i])
-            outs = values
-        ys, computed = zip(*outs)
-        return jnp.concatenate(ys), sum(computed)
-
-    return run
-
-
-def _barrier_floats(values):
-    """One optimization barrier over the float arrays of `values` (integers pass beside it: an integer's tangent
-    has no values for the barrier's own derivative)."""
-    leaves, tree = jax.tree.flatten(values)
-    floats = [i for i, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.inexact)]
-    for i, a in zip(floats, jax.lax.optimization_barrier([leaves[i] for i in floats])):
-        leaves[i] = a
-    return jax.tree.unflatten(tree, leaves)
+    return exchange
 
 
 def deepep_capacity(tokens_per_rank: int, capacity_factor: float) -> int | None:

@@ -17,7 +17,7 @@ reached an expert (the rest were dropped). A `Stage` is the experts behind an ex
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,54 +32,31 @@ Exchange = Callable[[jax.Array, jax.Array, jax.Array, int, Ffn], "tuple[jax.Arra
 Stage = Callable[[jax.Array, jax.Array, jax.Array, int], "tuple[jax.Array, jax.Array]"]
 
 
-class RowExchange(NamedTuple):
-    """An exchange in two halves around its ffn: `to_rows(tokens, expert_ids, n_experts) -> (rows, group_sizes,
-    back)` and `from_rows(out_rows, back, combine_w) -> y`; called, it is the exchange. The halves let an
-    expert-parallel exchange run them in separate phases (`ep_exchange.micro_batched`)."""
-
-    to_rows: Callable
-    from_rows: Callable
-
-    def __call__(self, tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
-        rows, group_sizes, back = self.to_rows(tokens, expert_ids, n_experts)
-        return self.from_rows(ffn(rows, group_sizes), back, combine_w), group_sizes.sum()
-
-
-def _sort_rows(tokens, expert_ids, n_experts: int):
+def sort_exchange(tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
+    """Copies sorted by expert with a stable argsort; ids == n_experts (padding) sort last, in no group."""
+    t, d = tokens.shape
     k = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)  # (T*k,) copy c = token c // k, choice c % k
     with jax.named_scope("permute"):
         order = jnp.argsort(flat_ids, stable=True)  # (T*k,) copies grouped by expert
         rows = tokens[order // k]  # (T*k, D)
         group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)  # (E,), drops ids >= E
-    return rows, group_sizes, order
-
-
-def _sort_from_rows(out_rows, order, combine_w):
-    t, k = combine_w.shape
+    out_rows = ffn(rows, group_sizes)  # (T*k, D)
     with jax.named_scope("unpermute"):
         inverse = jnp.argsort(order)  # sorted row of each copy
-        out = out_rows[inverse].reshape(t, k, -1).astype(jnp.float32)  # (T, k, D)
+        out = out_rows[inverse].reshape(t, k, d).astype(jnp.float32)  # (T, k, D)
         y = jnp.einsum("tkd,tk->td", out, combine_w)  # (T, D) float32
-    return y.astype(out_rows.dtype)
+    return y.astype(tokens.dtype), group_sizes.sum()
 
 
-# Copies sorted by expert with a stable argsort; ids == n_experts (padding) sort last, in no group.
-sort_exchange = RowExchange(_sort_rows, _sort_from_rows)
-
-
-def _permute_rows(tokens, expert_ids, n_experts: int):
+def permute_exchange(tokens, expert_ids, combine_w, n_experts: int, ffn: Ffn):
+    """turbo_moe.ops.permute -> ffn -> unpermute (the weighted sum over a token's copies is fused in)."""
     with jax.named_scope("permute"):
-        return permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,), handle
-
-
-def _unpermute_rows(out_rows, handle, combine_w):
+        rows, group_sizes, handle = permute(tokens, expert_ids, n_experts)  # (T*k, D), (E,)
+    out_rows = ffn(rows, group_sizes)  # (T*k, D)
     with jax.named_scope("unpermute"):
-        return unpermute(out_rows, handle, combine_w)  # (T, D): the weighted sum over a token's copies fused in
-
-
-# turbo_moe.ops.permute -> ffn -> unpermute.
-permute_exchange = RowExchange(_permute_rows, _unpermute_rows)
+        y = unpermute(out_rows, handle, combine_w)  # (T, D)
+    return y, group_sizes.sum()
 
 
 def expert_capacity(seq_len: int, top_k: int, n_experts: int, capacity_factor: float) -> int:

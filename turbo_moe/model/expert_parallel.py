@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from turbo_moe.model.ep_exchange import deepep_capacity, micro_batched
+from turbo_moe.model.ep_exchange import deepep_capacity
 from turbo_moe.model.experts import ExpertStats, ExpertWeights
 from turbo_moe.model.mesh import (  # noqa: F401  (expert_axis_size, mesh_device_count: re-exported)
     EXPERT_AXIS, expert_axis_size, mesh_device_count, mesh_or_ambient, mesh_platform)
@@ -42,24 +42,18 @@ def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
 
 def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacity_factor: float = 1.25,
                 ep_exchange: str = "deepep", ep_capacity_factor: float = 0.0, exchange_impl: str | None = None,
-                ep_layout: str = "auto", ep_micro_batches: int = 1, expert_backward: str = "block",
-                swiglu_impl: str = "auto"):
+                ep_layout: str = "auto", expert_backward: str = "block", swiglu_impl: str = "auto"):
     """A MoE path `(x (B, S, D), routing, weights) -> (y, ExpertStats)` running expert-parallel.
 
     mesh: a Mesh with an `expert_axis` (None: the ambient mesh of `jax.set_mesh`). B must divide by
     the number of devices and E by the expert-axis size. exchange_impl: "native" ragged_all_to_all or
     the "emulated" one (CPU); default by the mesh's platform. ep_layout: deepep's dispatch layout
-    (`ModelConfig.ep_layout`). ep_micro_batches: each rank's tokens split into this many micro-batches, one's
-    exchange overlapping another's experts (`ep_exchange.micro_batched`; `ModelConfig.ep_micro_batches`); the
-    deepep capacity (ep_capacity_factor) then applies to each micro-batch. expert_backward ("block" | "autodiff"),
-    swiglu_impl ("auto" | "kernel" | "xla"): each rank's local experts' backward and SwiGLU; the model always runs
-    the defaults, the others are test references.
+    (`ModelConfig.ep_layout`). expert_backward ("block" | "autodiff"), swiglu_impl ("auto" | "kernel" | "xla"): each
+    rank's local experts' backward and SwiGLU; the model always runs the defaults, the others are test references.
     """
     row = path_row(path, ep_exchange)  # a ValueError naming the argument for a pair the table lacks
     if not (isinstance(ep_capacity_factor, (int, float)) and math.isfinite(ep_capacity_factor)):
         raise ValueError(f"ep_capacity_factor: must be a finite number, got {ep_capacity_factor!r}")
-    if isinstance(ep_micro_batches, bool) or not isinstance(ep_micro_batches, int) or ep_micro_batches < 1:
-        raise ValueError(f"ep_micro_batches: must be an int >= 1, got {ep_micro_batches!r}")
     mesh = mesh_or_ambient(mesh)
     if expert_axis not in mesh.axis_names:
         raise ValueError(f"mesh: has axes {mesh.axis_names}, no expert axis {expert_axis!r}")
@@ -77,21 +71,14 @@ def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacit
         if b % n_devices:
             raise ValueError(f"x: batch {b} must be divisible by the {n_devices} devices of the mesh "
                              f"{dict(mesh.shape)}")
-        tokens_per_rank = b * s // n_devices
-        # dense_cf's capacity is per sequence: its micro-batches must be whole sequences
-        unit, what = (s, "sequences") if row.exchange == "capacity" else (1, "tokens")
-        if tokens_per_rank % (unit * ep_micro_batches):
-            raise ValueError(f"ep_micro_batches={ep_micro_batches}: each device's {tokens_per_rank // unit} {what} "
-                             f"(batch {b} x seq {s} over {n_devices} devices) must split into {ep_micro_batches} "
-                             f"equal micro-batches")
         gemms = device_gemms(row, path, swiglu_impl)
-        capacity = deepep_capacity(tokens_per_rank // ep_micro_batches, ep_capacity_factor)
+        capacity = deepep_capacity(b * s // n_devices, ep_capacity_factor)
 
         def sharded(x, ids, combine_w, w):
             ffn = ExpertFfn(_varying_like(w.astype(x.dtype), batch_axes), gemms)  # this rank's experts
             stage = build_stage(row, ffn, expert_backward == "block", seq_len=s, capacity_factor=capacity_factor,
                                 axis_name=expert_axis, impl=impl, capacity=capacity, layout=ep_layout)
-            y, done = run_stage(micro_batched(stage, ep_micro_batches), x, ids, combine_w, n_experts)
+            y, done = run_stage(stage, x, ids, combine_w, n_experts)
             load = jnp.zeros((n_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)  # (E,) before drops
             load = jax.lax.psum(load, batch_axes)
             total = b * s * k  # every copy of the global batch

@@ -39,7 +39,7 @@ class MoELayer(nnx.Module):
         if expert_axis_size() > 1:  # traced under a mesh with an "expert" axis: routed experts split over it
             path = ep_moe_path(self.cfg.moe_path, capacity_factor=self.cfg.capacity_factor,
                                ep_exchange=self.cfg.ep_exchange, ep_capacity_factor=self.cfg.ep_capacity_factor,
-                               ep_layout=self.cfg.ep_layout, ep_micro_batches=self.cfg.ep_micro_batches)
+                               ep_layout=self.cfg.ep_layout)
         elif mesh_device_count() > 1:  # data parallel: each device runs its own tokens
             path = data_parallel_moe_path(path)
         with jax.named_scope("routed_experts"):

@@ -257,17 +257,12 @@ class Program:
     refresh_compute: Callable | None = None
 
 
-def compiler_options(gpu_autotune_level: int | None, ep_micro_batches: int = 1) -> dict | None:
+def compiler_options(gpu_autotune_level: int | None) -> dict | None:
     """Per-program XLA options. On the GPU, autotune level 0 skips timing GEMM variants at compile time:
-    faster compiles, much slower steps without an autotune cache (docs/configuration.md). ModelConfig.ep_micro_batches
-    > 1 turns on XLA's latency-hiding scheduler, which places compute between an async collective's start and done
-    (docs/expert-parallel.md)."""
-    if jax.default_backend() != "gpu":
+    faster compiles, much slower steps without an autotune cache (docs/configuration.md)."""
+    if gpu_autotune_level is None or jax.default_backend() != "gpu":
         return None
-    options = {} if gpu_autotune_level is None else {"xla_gpu_autotune_level": gpu_autotune_level}
-    if ep_micro_batches > 1:
-        options["xla_gpu_enable_latency_hiding_scheduler"] = True
-    return options or None
+    return {"xla_gpu_autotune_level": gpu_autotune_level}
 
 
 def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module, split: bool = False) -> ComputeCast:
@@ -301,7 +296,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     if split_master and cast_params_in_update:
         raise ValueError("build_program: split_master (TrainConfig.master_weights='split') already keeps the bf16 "
                          "compute copy in the state: pass cast_params_in_update=False")
-    options = compiler_options(gpu_autotune_level, model_cfg.ep_micro_batches)
+    options = compiler_options(gpu_autotune_level)
     key = jax.random.key(0)
     abstract_model = nnx.eval_shape(lambda: DeepSeekModel(model_cfg, rngs=nnx.Rngs(key)))  # no allocation
     cast = compute_cast(model_cfg, abstract_model, split_master) if cast_params_in_update or split_master else None
