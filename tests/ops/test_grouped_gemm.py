@@ -1,4 +1,6 @@
 """grouped_gemm / grouped_gemm_weight_grad against float64 numpy and jax.lax.ragged_dot."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,3 +212,32 @@ def test_zero_tail_false_leaves_group_rows_equal_and_the_tail_unspecified():
     np.testing.assert_array_equal(d_free[0][:rows], d_zero[0][:rows])
     with pytest.raises(TypeError, match="zero_tail must be a Python bool"):
         grouped_gemm(lhs, rhs, gs, zero_tail=0)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_widths_padded_to_the_kernel_tiles_change_no_bit(monkeypatch, transpose_rhs):
+    """On GPUs half-precision K and N that are not multiples of 8 are zero-padded for the Hopper kernels (the path is
+    forced here on the CPU): the value, both gradients and the public weight gradient equal the unpadded call's bit
+    for bit, and the padding is in the program."""
+    gg = importlib.import_module("turbo_moe.ops.grouped_gemm")  # the module: the package exports a function of its name
+
+    M, K, N, G = 301, 37, 21, 5
+    lhs, rhs = inputs(11, M, K, N, G, jnp.bfloat16, transpose_rhs)
+    sizes = jnp.asarray(random_sizes(np.random.default_rng(2), G, M - 9))
+    proj = jax.random.normal(jax.random.key(4), (M, N), jnp.float32)
+
+    def value_and_grads(a, b):
+        def loss(a, b):
+            out = grouped_gemm(a, b, sizes, transpose_rhs=transpose_rhs)
+            return jnp.sum(out.astype(jnp.float32) * proj), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(a, b)
+        return out, grads, grouped_gemm_weight_grad(a, proj.astype(jnp.bfloat16), sizes)
+
+    unpadded = jax.jit(value_and_grads)(lhs, rhs)
+    monkeypatch.setattr(gg, "pads_to_tiles", lambda compute, kernel_out: True)
+    padded_program = lambda a, b: value_and_grads(a, b)  # a new function: JAX caches traces by function
+    assert " pad[" in str(jax.make_jaxpr(padded_program)(lhs, rhs))
+    padded = jax.jit(padded_program)(lhs, rhs)
+    for got, want in zip(jax.tree.leaves(padded), jax.tree.leaves(unpadded)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

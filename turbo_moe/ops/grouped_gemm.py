@@ -231,8 +231,15 @@ def ragged_rows(lhs, rhs, group_sizes, offset, *, transpose_rhs, out_dtype, prec
         return jax.lax.ragged_dot_general(lhs, rhs, clamped_sizes(group_sizes, lhs.shape[0]), dims,
                                           precision=precision, preferred_element_type=out_dtype)
     compute, kernel_out = dtypes
-    out = _gemm_call(lhs.astype(compute), rhs.astype(compute), group_sizes, transpose_rhs, kernel_out, zero_tail)
-    return out.astype(out_dtype)
+    lhs, rhs = lhs.astype(compute), rhs.astype(compute)
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if pads_to_tiles(compute, kernel_out):
+        k_pad, n_pad = -lhs.shape[1] % TILE_MULTIPLE, -n % TILE_MULTIPLE
+        if k_pad or n_pad:
+            lhs = _pad_last(lhs, k_pad)
+            rhs = jnp.pad(rhs, ((0, 0), (0, n_pad), (0, k_pad)) if transpose_rhs else ((0, 0), (0, k_pad), (0, n_pad)))
+    out = _gemm_call(lhs, rhs, group_sizes, transpose_rhs, kernel_out, zero_tail)
+    return out[:, :n].astype(out_dtype)
 
 
 def _with_group_offset(lhs, rhs, group_sizes, offset, **kw):
@@ -255,7 +262,26 @@ def ragged_contracting(lhs, rhs, group_sizes, *, out_dtype, precision):
         return jax.lax.ragged_dot_general(lhs, rhs, clamped_sizes(group_sizes, lhs.shape[0]), dims,
                                           precision=precision, preferred_element_type=out_dtype)
     compute, kernel_out = dtypes
-    return _weight_grad_call(lhs.astype(compute), rhs.astype(compute), group_sizes, kernel_out).astype(out_dtype)
+    k, n = lhs.shape[1], rhs.shape[1]
+    lhs, rhs = lhs.astype(compute), rhs.astype(compute)
+    if pads_to_tiles(compute, kernel_out):
+        lhs, rhs = _pad_last(lhs, -k % TILE_MULTIPLE), _pad_last(rhs, -n % TILE_MULTIPLE)
+    return _weight_grad_call(lhs, rhs, group_sizes, kernel_out)[:, :k, :n].astype(out_dtype)
+
+
+# The Hopper kernels (TMA) need K and N multiples of 8 two-byte elements (16 bytes); other widths ran the portable
+# kernel at ~20 TFLOP/s (docs/notes/peers.md). Zero columns cost a copy of the operands and change no sum.
+TILE_MULTIPLE = 8
+
+
+def pads_to_tiles(compute, kernel_out) -> bool:
+    """Whether the operands are zero-padded to TILE_MULTIPLE: on GPUs, for the half-precision kernels."""
+    return (jax.default_backend() == "gpu" and jnp.dtype(compute) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and jnp.dtype(kernel_out) == jnp.dtype(compute))
+
+
+def _pad_last(x, pad: int):
+    return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, pad),)) if pad else x
 
 
 # ----------------------------------------------------------------------------------------------------------------
