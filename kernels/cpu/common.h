@@ -100,4 +100,20 @@ inline void parallel_for(ffi::ThreadPool* pool, int64_t n, const std::function<v
   shared->cv.wait(lock, [&] { return shared->active == 0; });
 }
 
+// copy(b, t, r) for every routed copy of a (batch, T, k) row index: token t of batch b goes to row r in [0, T*k)
+// (other entries are dropped copies). Tokens run in parallel, `chunk` of them a work item; each row has one writer.
+template <typename Copy>
+void for_each_routed_copy(ffi::ThreadPool* pool, const int32_t* row_p, int64_t batch, int64_t T, int64_t k,
+                          int64_t chunk, const Copy& copy) {
+  const int64_t slots = T * k, chunks = (T + chunk - 1) / chunk;
+  parallel_for(pool, batch * chunks, [&](int64_t item) {
+    const int64_t b = item / chunks, t0 = (item % chunks) * chunk, t1 = std::min(T, t0 + chunk);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t r = row_p[b * slots + t * k + j];
+        if (r >= 0 && r < slots) copy(b, t, r);
+      }
+  });
+}
+
 }  // namespace turbo_moe

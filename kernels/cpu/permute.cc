@@ -18,15 +18,8 @@ namespace {
 void copy_rows(ffi::ThreadPool& pool, const char* x_p, const int32_t* row_p, char* xs_p, int64_t batch, int64_t T,
                int64_t k, int64_t row, const std::vector<int64_t>& valid, bool zero_tail) {
   const int64_t slots = T * k;
-  constexpr int64_t kChunk = 256;  // tokens per parallel work item
-  const int64_t chunks = (T + kChunk - 1) / kChunk;
-  parallel_for(&pool, batch * chunks, [&](int64_t item) {
-    const int64_t b = item / chunks, t0 = (item % chunks) * kChunk, t1 = std::min(T, t0 + kChunk);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t r = row_p[b * slots + t * k + j];
-        if (r >= 0 && r < slots) std::memcpy(xs_p + (b * slots + r) * row, x_p + (b * T + t) * row, row);
-      }
+  for_each_routed_copy(&pool, row_p, batch, T, k, /*chunk=*/256, [&](int64_t b, int64_t t, int64_t r) {
+    std::memcpy(xs_p + (b * slots + r) * row, x_p + (b * T + t) * row, row);
   });
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t begin = std::min(valid[b], slots);

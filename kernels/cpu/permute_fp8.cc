@@ -58,16 +58,8 @@ ffi::Error PermuteFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   uint8_t* q_p = static_cast<uint8_t*>(q->untyped_data());
   float* s_p = static_cast<float*>(scale->untyped_data());
 
-  constexpr int64_t kChunk = 64;  // tokens per parallel work item
-  const int64_t chunks = (T + kChunk - 1) / kChunk;
-  parallel_for(&pool, batch * chunks, [&](int64_t item) {
-    const int64_t b = item / chunks, t0 = (item % chunks) * kChunk, t1 = std::min(T, t0 + kChunk);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t r = row_p[b * slots + t * k + j];
-        if (r < 0 || r >= slots) continue;  // a dropped copy
-        quantize_row(dt, x_p + (b * T + t) * row_bytes, H, q_p + (b * slots + r) * H, s_p + (b * slots + r) * nb);
-      }
+  for_each_routed_copy(&pool, row_p, batch, T, k, /*chunk=*/64, [&](int64_t b, int64_t t, int64_t r) {
+    quantize_row(dt, x_p + (b * T + t) * row_bytes, H, q_p + (b * slots + r) * H, s_p + (b * slots + r) * nb);
   });
   for (int64_t b = 0; b < batch; ++b) {
     int64_t total = 0;

@@ -174,15 +174,8 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
 // itself (a few KB from L2), so no table of totals is needed.
 __global__ void zero_rows_past_groups_kernel(char* data, int64_t rows, int64_t row_bytes, const int32_t* group_sizes,
                                              int64_t E) {
-  __shared__ long long warp_sums[32];
   const int64_t b = blockIdx.y;
-  long long mine = 0;
-  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) mine += max(group_sizes[b * E + e], 0);
-  for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = mine;
-  __syncthreads();
-  long long total = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += warp_sums[w];
+  const long long total = block_group_total(group_sizes, b, E);
   char* base = data + b * rows * row_bytes;
   const int64_t begin = min(static_cast<int64_t>(total), rows) * row_bytes, end = rows * row_bytes;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

@@ -8,6 +8,7 @@
 
 #include "../contracts/permute_fp8.h"
 #include "../contracts/registration.h"
+#include "block_scan.cuh"
 #include "common.cuh"
 
 namespace turbo_moe {
@@ -72,15 +73,8 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, const int32_t* __r
 // the E sizes itself (a few KB from L2).
 __global__ void fill_tail_kernel(uint8_t* q, float* scale, int64_t slots, int64_t H, const int32_t* group_sizes,
                                  int64_t E) {
-  __shared__ long long warp_sums[32];
   const int64_t b = blockIdx.y;
-  long long mine = 0;
-  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) mine += max(group_sizes[b * E + e], 0);
-  for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = mine;
-  __syncthreads();
-  long long total = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += warp_sums[w];
+  const long long total = block_group_total(group_sizes, b, E);
   const int64_t begin = min(static_cast<int64_t>(total), slots);
   const int64_t nb = H / kPermuteFp8Tile;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

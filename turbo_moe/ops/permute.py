@@ -62,6 +62,12 @@ def permute_rows(x, handle: PermuteHandle, group_sizes):
     keeping them (turbo_moe.ops.expert_block). Not differentiable (its transpose is `unpermute` with unit
     weights). Row index entries outside [0, T*k) copy nothing.
     """
+    return permute_rows_call(x, *checked_row_operands(x, handle, group_sizes))
+
+
+def checked_row_operands(x, handle, group_sizes):
+    """The checks of `permute_rows` (and `permute_rows_fp8`): x (T, H) float, a PermuteHandle of T rows, int (E,)
+    group sizes. Returns the row index and the group sizes as int32."""
     if not isinstance(handle, PermuteHandle):
         raise TypeError(f"handle must be the PermuteHandle returned by permute, got {type(handle).__name__}")
     _checks.check_rank("x", x, 2, "(T, H)")
@@ -73,7 +79,7 @@ def permute_rows(x, handle: PermuteHandle, group_sizes):
     _checks.check_integer("group_sizes", group_sizes)
     if row_index.shape[0] != x.shape[0]:
         raise ValueError(f"handle.row_index (T, k) must have T={x.shape[0]} rows like x (T, H), got {row_index.shape}")
-    return permute_rows_call(x, _checks.index_as_int32(row_index, row_index.size), group_sizes.astype(jnp.int32))
+    return _checks.index_as_int32(row_index, row_index.size), group_sizes.astype(jnp.int32)
 
 
 def permute_rows_call(x, row_index, group_sizes, zero_tail=True):

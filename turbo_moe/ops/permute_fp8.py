@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call
-from turbo_moe.ops.permute import PermuteHandle, _permute_call
+from turbo_moe.ops.permute import PermuteHandle, _permute_call, checked_row_operands
 
 TILE = 128  # the activations' scale tile along H
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -65,19 +65,9 @@ def permute_fp8_call(x, expert_ids, num_experts: int, zero_tail: bool = True):
 def permute_rows_fp8(x, handle: PermuteHandle, group_sizes):
     """`permute_rows` writing FP8: the quantised copy step alone, from a permute's row index and group sizes.
     (T, H), PermuteHandle, int32 (E,) -> q (T*k, H) float8_e4m3fn, scale (T*k, H/128) float32."""
-    if not isinstance(handle, PermuteHandle):
-        raise TypeError(f"handle must be the PermuteHandle returned by permute, got {type(handle).__name__}")
-    _checks.check_rank("x", x, 2, "(T, H)")
-    _checks.float_dtype("x", x.dtype)
+    row_index, group_sizes = checked_row_operands(x, handle, group_sizes)
     _check_width(x)
-    row_index = handle.row_index
-    _checks.check_rank("handle.row_index", row_index, 2, "(T, k)")
-    _checks.check_integer("handle.row_index", row_index)
-    _checks.check_rank("group_sizes", group_sizes, 1, "(E,)")
-    _checks.check_integer("group_sizes", group_sizes)
-    if row_index.shape[0] != x.shape[0]:
-        raise ValueError(f"handle.row_index (T, k) must have T={x.shape[0]} rows like x (T, H), got {row_index.shape}")
-    return permute_rows_fp8_call(x, _checks.index_as_int32(row_index, row_index.size), group_sizes.astype(jnp.int32))
+    return permute_rows_fp8_call(x, row_index, group_sizes)
 
 
 def permute_rows_fp8_call(x, row_index, group_sizes, zero_tail: bool = True):
