@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 
@@ -21,6 +22,20 @@ def write_csv(rows: list[dict], table: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def write_table_and_record(rows: list[dict], table: Path, params: str) -> None:
+    """`table` (CSV) and `table`.json rewritten with every row so far, each row led by the provenance columns (device,
+    jax version, commit, date), the JSON also holding the exact parameters and the GEMM library's build."""
+    from turbo_moe.provenance import TABLE_COLUMNS
+    from turbo_moe.provenance import collect as collect_provenance
+
+    prov = collect_provenance()
+    columns = {k: prov[k] for k in TABLE_COLUMNS}
+    rows = [{**columns, **row} for row in rows]
+    write_csv(rows, table)
+    record = {"provenance": {**columns, "grouped_gemm": prov["grouped_gemm"], "params": params}, "rows": rows}
+    table.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
 
 
 def median_ms(fn, *args, reps: int) -> float:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _records import write_csv
+from _records import write_table_and_record
 from grouped_gemm import EventTimer, routing_sizes
 
 from turbo_moe import ops
@@ -48,8 +47,6 @@ from turbo_moe.ops.grouped_gemm_fp8 import (
 from turbo_moe.ops.permute import _permute_call, permute_rows_call
 from turbo_moe.ops.permute_fp8 import permute_fp8_call
 from turbo_moe.ops.unpermute import unpermute_call
-from turbo_moe.provenance import TABLE_COLUMNS
-from turbo_moe.provenance import collect as collect_provenance
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -226,13 +223,8 @@ def summarize(rows) -> list[str]:
 
 
 def write(rows, table: Path, args) -> None:
-    write_csv(rows, table)
-    prov = collect_provenance()
-    record = {"provenance": {**{k: prov[k] for k in TABLE_COLUMNS}, "grouped_gemm": prov["grouped_gemm"],
-                             "params": f"warmup={args.warmup} reps={args.reps} median; balanced routing, shuffled; "
-                                       "timer=cuda events on XLA stream; inputs bf16 N(0,1), w N(0,1/K)"},
-              "rows": rows}
-    table.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    write_table_and_record(rows, table, f"warmup={args.warmup} reps={args.reps} median; balanced routing, shuffled; "
+                                        "timer=cuda events on XLA stream; inputs bf16 N(0,1), w N(0,1/K)")
 
 
 def main():

@@ -17,7 +17,6 @@ provenance), rewritten after each case.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _records import write_csv
+from _records import write_table_and_record
 from grouped_gemm import EventTimer, Shape, routing_sizes
 
 from turbo_moe import ops
@@ -38,8 +37,6 @@ from turbo_moe.ops.grouped_gemm_fp8 import (
     rows_product,
     weight_grad_product,
 )
-from turbo_moe.provenance import TABLE_COLUMNS
-from turbo_moe.provenance import collect as collect_provenance
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -200,13 +197,8 @@ def summarize(rows) -> list[str]:
 
 
 def write(rows, table: Path, args) -> None:
-    write_csv(rows, table)
-    prov = collect_provenance()
-    record = {"provenance": {**{k: prov[k] for k in TABLE_COLUMNS}, "grouped_gemm": prov["grouped_gemm"],
-                             "params": f"warmup={args.warmup} reps={args.reps} median; skewed=Dirichlet(2) seed 0; "
-                                       "timer=cuda events on XLA stream; inputs bf16 N(0,1), w N(0,1/K)"},
-              "rows": rows}
-    table.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    write_table_and_record(rows, table, f"warmup={args.warmup} reps={args.reps} median; skewed=Dirichlet(2) seed 0; "
+                                        "timer=cuda events on XLA stream; inputs bf16 N(0,1), w N(0,1/K)")
 
 
 def main():
