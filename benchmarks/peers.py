@@ -2,6 +2,9 @@
 
 Contenders (each a row per shape x routing x mode; one that cannot run is a row with its status and reason):
   turbo                  turbo_moe.ops.grouped_gemm (gradients through its transpose rules: turbo kernels)
+  turbo_fp8              turbo_moe.ops.grouped_gemm_fp8 as a user calls it (E4M3, DeepSeek-V3's 1x128 / 128x128
+                         scales, quantisation included); ours, so not a peer in "turbo / fastest peer"; where K, N
+                         are multiples of 128; held to --fp8-tol, not --tol
   tokamax_mosaic         tokamax.ragged_dot(implementation="mosaic"): the Pallas Mosaic-GPU kernel (sm90), default
   tokamax_triton         tokamax.ragged_dot(implementation="triton"), default config (needs jax_triton)
   tokamax_*_tuned        the same after tokamax.autotune on these inputs (a second pass, while time is left)
@@ -43,7 +46,9 @@ from turbo_moe.provenance import collect as collect_provenance
 TE_UNAVAILABLE = ("transformer-engine-jax 2.20.2 is published on PyPI as an sdist only (it compiles against the TE "
                   "core, whose transformer-engine-cu13 2.20.2 wheel is 264 MiB: over the 64 MiB a GPU call carries; "
                   "the GPU machine has no internet)")
-MOE_CONTENDERS = ("turbo", "tokamax_mosaic", "tokamax_triton", "te_grouped_gemm", "ragged_dot")
+MOE_CONTENDERS = ("turbo", "turbo_fp8", "tokamax_mosaic", "tokamax_triton", "te_grouped_gemm", "ragged_dot")
+OURS = ("turbo", "turbo_fp8", "dense")  # not peers: "turbo / fastest peer" compares turbo with the others
+FP8_BLOCK = 128
 RAGGED_DOT_MAX_TFLOP = 8.0  # jax.lax.ragged_dot expands densely on GPUs (G x the FLOPs, GBs of temporaries): skip past this
 FIELDS = [*TABLE_COLUMNS, "shape", "model", "G", "M", "K", "N", "routing", "mode", "contender", "status", "ms",
           "tflops", "rel_err", "extra_mib", "tune_s", "error"]
@@ -80,7 +85,8 @@ def full_shapes() -> list[Shape]:
 
 
 def smoke_shapes() -> list[Shape]:
-    return [Shape("smoke_G4", "smoke", 4, 64, 32, 48), Shape("smoke_odd_G3", "smoke, odd", 3, 50, 20, 36)]
+    return [Shape("smoke_G4", "smoke", 4, 64, 32, 48), Shape("smoke_odd_G3", "smoke, odd", 3, 50, 20, 36),
+            Shape("smoke_fp8_G3", "smoke, FP8 widths", 3, 40, 128, 256)]
 
 
 def routing_sizes(routing: str, M: int, G: int, seed: int = 0) -> np.ndarray:
@@ -112,6 +118,7 @@ def contenders(platform: str) -> dict[str, tuple[Callable | None, str]]:
     """name -> (fn, '') or (None, reason it cannot run here)."""
     out: dict[str, tuple[Callable | None, str]] = {
         "turbo": (lambda x, w, gs, sizes: ops.grouped_gemm(x, w, gs), ""),
+        "turbo_fp8": (lambda x, w, gs, sizes: ops.grouped_gemm_fp8(x, w, gs), ""),
         "ragged_dot": (lambda x, w, gs, sizes: jax.lax.ragged_dot(x, w, gs), ""),
     }
     try:
@@ -278,7 +285,7 @@ class Bench:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def measure(self, base: dict, shape: Shape, mode: str, fn, args, check=None, tune=None) -> dict:
+    def measure(self, base: dict, shape: Shape, mode: str, fn, args, check=None, tune=None, tol=None) -> dict:
         """Times fn(*args); `check(outs)` gives the relative error; `tune()` returns a context (autotuned configs)."""
         if self.left() <= 0:
             return self.rec.add(base | dict(status="skipped", error="time budget (--budget-s) spent"))
@@ -297,7 +304,7 @@ class Bench:
                 outs = outs if isinstance(outs, tuple) else (outs,)
                 err = check(outs)
                 row["rel_err"] = float(f"{err:.3g}")
-                if not err <= self.args.tol:
+                if not err <= (self.args.tol if tol is None else tol):
                     row["status"] = "wrong"
             del outs
         except Exception as e:  # noqa: BLE001 (a contender that fails is recorded; the run goes on)
@@ -328,14 +335,19 @@ class Bench:
                     if fn is None:
                         self.rec.add(row | dict(status="unavailable", error=reason))
                         continue
+                    if name == "turbo_fp8" and (shape.K % FP8_BLOCK or shape.N % FP8_BLOCK):
+                        self.rec.add(row | dict(status="unavailable", error=f"K={shape.K}, N={shape.N}: the FP8 "
+                                                f"scales need multiples of {FP8_BLOCK}"))
+                        continue
                     if name == "ragged_dot" and shape.G * shape.flops(mode) / 1e12 > RAGGED_DOT_MAX_TFLOP:
                         self.rec.add(row | dict(status="skipped", error=f"G x FLOPs > {RAGGED_DOT_MAX_TFLOP} TFLOP "
                                                 "(XLA may expand it densely)"))
                         continue
                     f, args = timed_fn(fn, mode, sizes), ((x, w, gs) if mode == "fwd" else (x, w, gs, dy))
                     check = functools.partial(relative_error, x=x, w=w, dy=dy, sizes=sizes)
+                    tol = self.args.fp8_tol if name == "turbo_fp8" else self.args.tol
                     tune = functools.partial(_autotune, f, args, self.left()) if tuned else None
-                    self.measure(row, shape, mode, f, args, check, tune)
+                    self.measure(row, shape, mode, f, args, check, tune, tol)
         del x, w, dy
 
 
@@ -359,21 +371,22 @@ def _autotune(fn, args, seconds_left: float):
 def summary_lines(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r.get("status") == "ok" and r.get("tflops")]
     keys = sorted({(r["shape"], r["routing"], r["mode"]) for r in ok if r["contender"] == "turbo"})
-    names = sorted({r["contender"] for r in ok if r["contender"] not in ("turbo", "dense")})
+    names = sorted({r["contender"] for r in ok if r["contender"] not in OURS})
     head = f"{'shape':27s} {'routing':8s} {'mode':7s} {'turbo':>7s} " + " ".join(f"{n[:14]:>14s}" for n in names)
-    lines = [head + f" {'dense':>7s} {'t/peer':>6s} {'t/dense':>7s}  (TFLOP/s)"]
+    lines = [head + f" {'dense':>7s} {'t/peer':>6s} {'t/dense':>7s} {'fp8':>7s} {'fp8/t':>5s}  (TFLOP/s)"]
     for shape, routing, mode in keys:
         get = lambda c, rt=routing, sh=shape, md=mode: next(  # noqa: E731
             (r["tflops"] for r in ok if r["contender"] == c and r["shape"] == sh and r["routing"] == rt
              and r["mode"] == md), None)
-        turbo, dense = get("turbo"), get("dense", "-")
+        turbo, dense, fp8 = get("turbo"), get("dense", "-"), get("turbo_fp8")
         peers = {n: get(n) for n in names}
         best = max((v for v in peers.values() if v), default=None)
         fmt = lambda v, w: f"{v:{w}.4g}" if v else f"{'-':>{w}s}"  # noqa: E731
         lines.append(f"{shape:27s} {routing:8s} {mode:7s} {fmt(turbo, 7)} "
                      + " ".join(fmt(peers[n], 14) for n in names) + f" {fmt(dense, 7)} "
                      + (f"{turbo / best:6.2f}" if best else f"{'-':>6s}") + " "
-                     + (f"{turbo / dense:7.2f}" if dense else f"{'-':>7s}"))
+                     + (f"{turbo / dense:7.2f}" if dense else f"{'-':>7s}") + " " + fmt(fp8, 7) + " "
+                     + (f"{fp8 / turbo:5.2f}" if fp8 else f"{'-':>5s}"))
     bad = [r for r in rows if r.get("status") in ("failed", "wrong", "unavailable")]
     for r in {(r["contender"], r["status"], r.get("error", "")): r for r in bad}.values():
         lines.append(f"  {r['contender']}: {r['status']}: {r.get('error') or 'rel_err=' + str(r.get('rel_err'))}")
@@ -394,7 +407,7 @@ def figure(rows: list[dict], path: Path) -> None:
     grid = sns.catplot(df, kind="bar", x="tflops", y="shape", hue="contender", col="mode", row="routing",
                        height=4.5, aspect=1.1, sharex=False)
     grid.set_axis_labels("TFLOP/s (useful FLOPs; higher is better)", "")
-    grid.figure.suptitle(f"Grouped GEMM vs peers, {rows[0].get('device_kind')} (bf16)", y=1.02)
+    grid.figure.suptitle(f"Grouped GEMM vs peers, {rows[0].get('device_kind')} (bf16; turbo_fp8: E4M3)", y=1.02)
     grid.savefig(path, dpi=110, bbox_inches="tight")
 
 
@@ -408,6 +421,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tol", type=float, default=2e-2, help="largest relative error counted correct (bf16)")
+    parser.add_argument("--contenders", default=None,
+                        help=f"comma-separated subset of {MOE_CONTENDERS} (default: all; dense always runs)")
+    parser.add_argument("--fp8-tol", type=float, default=0.1,
+                        help="largest relative error counted correct for turbo_fp8 (E4M3 rounds to 2^-4 relative)")
     parser.add_argument("--tune-shapes", default="reduced_gate_up_G64,dsv3_gate_ep8_G32,qwen3_30b_gate_G128",
                         help="shapes of the autotuned tokamax pass ('' for none); it runs after everything else")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
@@ -432,7 +449,13 @@ def main(argv=None):
                                              f"timer={'cuda events' if platform == 'gpu' else 'wall clock'}"}
     print({k: prov.get(k) for k in (*TABLE_COLUMNS, "grouped_gemm", "tokamax_version")}, flush=True)
     rec = Recorder(Path(args.out), prov)
-    bench = Bench(args, rec, Timer(platform), contenders(platform))
+    peers = contenders(platform)
+    if args.contenders:
+        wanted = args.contenders.split(",")
+        if unknown := set(wanted) - set(peers):
+            parser.error(f"--contenders: unknown {sorted(unknown)}; known: {sorted(peers)}")
+        peers = {name: peers[name] for name in wanted}
+    bench = Bench(args, rec, Timer(platform), peers)
     routings = args.routings.split(",")
     for shape in shapes:
         bench.shape(shape, routings, tuned=False)

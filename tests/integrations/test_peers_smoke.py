@@ -55,3 +55,21 @@ def test_relative_error_catches_a_wrong_gradient(peers):
     dw = jnp.stack([x[:3].T @ dy[:3], jnp.zeros((4, 5)), x[3:].T @ dy[3:]])
     assert peers.relative_error((y, dx, dw), x, w, dy, sizes) < 1e-5
     assert peers.relative_error((y, dx, dw.at[2].multiply(1.1)), x, w, dy, sizes) > 1e-2
+
+
+def test_fp8_rows_are_held_to_the_fp8_bound(peers, tmp_path):
+    """turbo_fp8 runs (emulated on the CPU) where K and N are multiples of 128, with an error of FP8's size: above
+    bf16's, below --fp8-tol; at other widths it is a row saying why; it is not counted as a peer."""
+    out = tmp_path / "peers_fp8"
+    peers.main(["--smoke", "--shapes", "smoke_fp8_G3,smoke_odd_G3", "--routings", "skewed", "--modes", "fwd,fwd_bwd",
+                "--warmup", "0", "--reps", "1", "--tune-shapes", "", "--out", str(out)])
+    rows = [r for r in csv.DictReader(open(out.with_suffix(".csv"))) if r["contender"] == "turbo_fp8"]
+    fp8 = {(r["shape"], r["mode"]): r for r in rows}
+    for mode in ("fwd", "fwd_bwd"):
+        ok = fp8[("smoke_fp8_G3", mode)]
+        assert ok["status"] == "ok", ok
+        assert 5e-3 < float(ok["rel_err"]) <= 0.1, ok
+        odd = fp8[("smoke_odd_G3", mode)]
+        assert odd["status"] == "unavailable" and "128" in odd["error"], odd
+    lines = peers.summary_lines([dict(r) | {"tflops": 1.0} for r in rows if r["status"] == "ok"])
+    assert "turbo_fp8" not in lines[0]  # a column of its own, not among the peers
