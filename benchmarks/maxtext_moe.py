@@ -1,4 +1,4 @@
-"""MaxText's own MoE layer against MaxText + turbo and turbo_moe's MoELayer: forward+backward, one device.
+"""MaxText's own MoE layer against MaxText + turbo and turbo_moe's MoELayer: forward+backward, one device or EP=N.
 
 Contenders (one row each per shape; a contender that fails or does not import is a row with its status):
   maxtext_dense_cf1.25   RoutedMoE, sparse_matmul=False, capacity_factor=1.25 (MaxText's capacity path)
@@ -11,12 +11,18 @@ median step time (the TGS of a one-layer model), and the step's device memory fr
 DeepSeek-V3 (256 experts, top-8, d 7168, f 2048, 2 x 2048 tokens, bf16 weights: float32 ones and their gradients
 need 90 GB). Each row is appended to <out>.csv / .json as it finishes.
 
+--ep N: expert parallelism over the first N devices, the batch above per device. MaxText: ici_expert_parallelism=N,
+its default exchange (ragged_all_to_all; the GEMMs inside its shard_map on turbo for maxtext_sparse_turbo; the
+dense_cf path its own); turbo_moe_layer: a ("data", "expert") = (1, N) mesh, its default exchange (deepep), the
+parameters placed by turbo_moe's sharding rule. tokens_per_s is per device (the TGS of the one-layer model).
+
     PYTHONPATH=$PWD python benchmarks/maxtext_moe.py --out $OUT/maxtext_moe           # GPU, maxtext installed
     PYTHONPATH=$PWD python benchmarks/maxtext_moe.py --smoke --out /tmp/maxtext_moe   # CPU check
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -33,7 +39,7 @@ from turbo_moe.provenance import TABLE_COLUMNS, package_version
 from turbo_moe.provenance import collect as collect_provenance
 
 CONTENDERS = ("maxtext_dense_cf1.25", "maxtext_sparse", "maxtext_sparse_turbo", "turbo_moe_layer")
-FIELDS = [*TABLE_COLUMNS, "shape", "contender", "tokens", "E", "top_k", "d_model", "d_ff", "dtype", "weight_dtype",
+FIELDS = [*TABLE_COLUMNS, "shape", "ep", "contender", "tokens", "E", "top_k", "d_model", "d_ff", "dtype", "weight_dtype",
           "status", "step_ms", "tokens_per_s", "step_mib", "temp_mib", "turbo_calls", "error"]
 
 
@@ -57,8 +63,8 @@ SHAPES = {
 
 
 # ---- the layers ----------------------------------------------------------------------------------------------------
-def maxtext_layer(shape: Shape, dtype: str, **keys):
-    """(layer, mesh, axis rules) of MaxText's RoutedMoE at `shape` with config keys `keys`, on one device."""
+def maxtext_layer(shape: Shape, dtype: str, ep: int = 1, **keys):
+    """(layer, mesh, axis rules) of MaxText's RoutedMoE at `shape` with config keys `keys`, on `ep` devices."""
     import maxtext  # noqa: PLC0415 (optional: the benchmark records a row where it does not import)
     from maxtext.configs import pyconfig  # noqa: PLC0415
     from maxtext.layers import moe  # noqa: PLC0415
@@ -71,8 +77,8 @@ def maxtext_layer(shape: Shape, dtype: str, **keys):
         base_output_directory=tempfile.gettempdir(), num_experts=shape.E, num_experts_per_tok=shape.top_k,
         base_emb_dim=shape.d_model, base_moe_mlp_dim=shape.d_ff, base_mlp_dim=shape.d_ff,
         per_device_batch_size=shape.batch, max_target_length=shape.seq, dtype=dtype, weight_dtype=shape.weight_dtype,
-        **keys)
-    devices = np.asarray(jax.devices()[:1])
+        **({"ici_expert_parallelism": ep} if ep > 1 else {}), **keys)
+    devices = np.asarray(jax.devices()[:ep])
     mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg, devices=devices), cfg.mesh_axes)
     with jax.set_mesh(mesh):
         layer = moe.RoutedMoE(config=cfg, num_experts=shape.E, num_experts_per_tok=shape.top_k, mesh=mesh,
@@ -82,13 +88,23 @@ def maxtext_layer(shape: Shape, dtype: str, **keys):
     return layer, mesh, cfg.logical_axis_rules
 
 
-def turbo_layer(shape: Shape, dtype: str):
+def turbo_layer(shape: Shape, dtype: str, ep: int = 1):
+    """(layer, mesh or None) of turbo_moe's MoELayer; with ep > 1 on a (1, ep) mesh, parameters sharded."""
     from turbo_moe.model.config import get_config  # noqa: PLC0415
     from turbo_moe.model.moe_layer import MoELayer  # noqa: PLC0415
     cfg = get_config("tiny", d_model=shape.d_model, moe_ffn_dim=shape.d_ff, n_experts=shape.E, top_k=shape.top_k,
                      n_shared_experts=0, n_groups=1, topk_groups=1, moe_path="turbo", dtype=dtype,
                      param_dtype=shape.weight_dtype, max_seq_len=shape.seq)
-    return MoELayer(cfg, nnx.Rngs(0))
+    if ep == 1:
+        return MoELayer(cfg, nnx.Rngs(0)), None
+    from turbo_moe.model.mesh import make_mesh  # noqa: PLC0415
+    from turbo_moe.model.sharding import state_shardings  # noqa: PLC0415
+    mesh = make_mesh(jax.devices()[:ep], expert_parallel=ep)
+    with jax.set_mesh(mesh):
+        layer = MoELayer(cfg, nnx.Rngs(0))
+        graphdef, state = nnx.split(layer)
+        state = jax.device_put(state, state_shardings(state, mesh))
+    return nnx.merge(graphdef, state), mesh
 
 
 # ---- one measured step ------------------------------------------------------------------------------------------------
@@ -120,18 +136,20 @@ def time_step(step, args, warmup: int, reps: int) -> tuple[float, float, float]:
 
 def run_one(shape: Shape, contender: str, args) -> dict:
     from turbo_moe.integrations import maxtext as turbo_maxtext  # noqa: PLC0415
-    x = jax.random.normal(jax.random.PRNGKey(1), (shape.batch, shape.seq, shape.d_model), jnp.float32)
+    x = jax.random.normal(jax.random.PRNGKey(1), (shape.batch * args.ep, shape.seq, shape.d_model), jnp.float32)
     x = x.astype(args.dtype)
     probe = jax.random.normal(jax.random.PRNGKey(2), x.shape, jnp.float32)
     row: dict = {}
     if contender == "turbo_moe_layer":
-        step, params, rest = step_fn(turbo_layer(shape, args.dtype))
-        ms, total, temp = time_step(step, (params, x, rest, probe), args.warmup, args.reps)
+        layer, mesh = turbo_layer(shape, args.dtype, args.ep)
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            step, params, rest = step_fn(layer)
+            ms, total, temp = time_step(step, (params, x, rest, probe), args.warmup, args.reps)
     else:
         from flax.linen import partitioning as nn_partitioning  # noqa: PLC0415
         keys = dict(sparse_matmul=False, capacity_factor=1.25) if contender == "maxtext_dense_cf1.25" else \
             dict(sparse_matmul=True, megablox=False, use_tokamax_gmm=False, capacity_factor=-1.0)
-        layer, mesh, rules = maxtext_layer(shape, args.dtype, **keys)
+        layer, mesh, rules = maxtext_layer(shape, args.dtype, args.ep, **keys)
         use_turbo = contender == "maxtext_sparse_turbo"
         turbo_maxtext.reset_stats()
         with jax.set_mesh(mesh), nn_partitioning.axis_rules(rules):
@@ -146,7 +164,7 @@ def run_one(shape: Shape, contender: str, args) -> dict:
             row["turbo_calls"] = sum(v for k, v in turbo_maxtext.stats().items() if k.startswith("turbo"))
             if not row["turbo_calls"]:
                 raise RuntimeError(f"enable() routed no GEMM to turbo: {turbo_maxtext.stats()}")
-    tokens = shape.batch * shape.seq
+    tokens = shape.batch * shape.seq  # per device
     return row | dict(status="ok", step_ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3),
                       step_mib=round(total, 1), temp_mib=round(temp, 1))
 
@@ -164,9 +182,12 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism over the first N devices")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new contenders after this")
     args = parser.parse_args(argv)
     shape_names = ["smoke"] if args.smoke else args.shapes.split(",")
+    if not 1 <= args.ep <= len(jax.devices()):
+        parser.error(f"--ep: expected 1..{len(jax.devices())} (the devices here), got {args.ep}")
     if unknown := set(shape_names) - set(SHAPES):
         parser.error(f"--shapes: unknown {sorted(unknown)}; known: {sorted(SHAPES)}")
     contenders = args.contenders.split(",")
@@ -174,15 +195,15 @@ def main(argv=None):
         parser.error(f"--contenders: unknown {sorted(unknown)}; known: {list(CONTENDERS)}")
 
     prov = collect_provenance() | {"maxtext_version": package_version("maxtext"),
-                                   "params": f"compute {args.dtype}; warmup={args.warmup} reps={args.reps} median "
+                                   "params": f"compute {args.dtype}; ep={args.ep}; warmup={args.warmup} reps={args.reps} median "
                                              "wall clock of a jitted value_and_grad step"}
     print({k: prov.get(k) for k in (*TABLE_COLUMNS, "grouped_gemm", "maxtext_version")}, flush=True)
     rec = Recorder(Path(args.out), prov, FIELDS)
     deadline = time.monotonic() + args.budget_s
     for name in shape_names:
         shape = SHAPES[name]
-        base = dict(shape=name, tokens=shape.batch * shape.seq, E=shape.E, top_k=shape.top_k, d_model=shape.d_model,
-                    d_ff=shape.d_ff, dtype=args.dtype, weight_dtype=shape.weight_dtype)
+        base = dict(shape=name, ep=args.ep, tokens=shape.batch * shape.seq, E=shape.E, top_k=shape.top_k,
+                    d_model=shape.d_model, d_ff=shape.d_ff, dtype=args.dtype, weight_dtype=shape.weight_dtype)
         for contender in contenders:
             row = base | dict(contender=contender)
             if time.monotonic() > deadline:
