@@ -4,7 +4,9 @@
 # sequence (the preset's max_seq_len). One process a point (benchmarks/train_once.py), in order of priority; a point that does not fit is an
 # `oom` record. As each point ends: its line in $OUT/points.jsonl, every record so far in $OUT/records.tgz.
 #   OUT=/tmp/out bash benchmarks/full_width_ep.sh        # EP=2 (GPUs 0,1); STEPS=10 LIMIT=560 (seconds, in all)
-#   POINTS="turbo:deepep:0:4 dense_cf:deepep:0:4" ...    # path:exchange:mtp_depth:per_device_batch
+#   POINTS="turbo:deepep:0:4 dense_cf:deepep:0:4" ...    # path:exchange:mtp_depth:per_device_batch[:memory]
+# memory: TrainConfig.optimizer_state_memory, "device" (default) or "host" (the moments and the split masters' low bits
+# in pinned host memory between steps), e.g. POINTS="turbo:deepep:1:4:host turbo:deepep:1:1:host turbo:deepep:1:8:host"
 set -u
 : "${OUT:?OUT must name the folder for the results}"
 source benchmarks/gpu_env.sh
@@ -13,25 +15,26 @@ LIMIT=${LIMIT:-560}
 P=${EP:-2}
 W=/tmp/full_width_ep
 rm -rf "$W" && mkdir -p "$W/records"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } >"$OUT/env.txt" 2>&1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; free -g; date -u; } >"$OUT/env.txt" 2>&1
 left() { local l=$((LIMIT - SECONDS)); echo $((l > 1 ? l : 1)); }
 POINTS=${POINTS:-"turbo:deepep:0:4 turbo:deepep:1:4 turbo:deepep:1:1 dense_cf:deepep:0:4 turbo:ragged_all_to_all:0:4 \
 turbo:deepep:0:8 turbo:deepep:0:12 turbo:deepep:0:16 ragged:deepep:0:1"}
 
-config() {  # config PATH EXCHANGE MTP BATCH
-  echo "{\"model\": \"deepseek_v3_671b\", \"dataset\": \"synthetic\", \"per_device_batch\": $4,
+config() {  # config PATH EXCHANGE MTP BATCH MEMORY
+  echo "{\"model\": \"deepseek_v3_671b\", \"dataset\": \"synthetic\", \"per_device_batch\": $4, \"optimizer_state_memory\": \"$5\",
 \"steps\": ${STEPS:-10}, \"warmup_steps\": 1, \"learning_rate\": 0.00022, \"eval_batches\": 0, \"expert_parallel\": $P,
 \"model_overrides\": {\"n_layers\": 2, \"n_dense_layers\": 1, \"mtp_depth\": $3, \"moe_path\": \"$1\",
 \"capacity_factor\": 1.25, \"ep_exchange\": \"$2\"}}"
 }
 
 for spec in $POINTS; do
-  IFS=: read -r path exchange mtp batch <<<"$spec"
-  name="${path}_${exchange}_mtp${mtp}_b${batch}"
+  IFS=: read -r path exchange mtp batch memory <<<"$spec"
+  memory=${memory:-device}
+  name="${path}_${exchange}_mtp${mtp}_b${batch}$([ "$memory" = device ] || echo "_$memory")"
   if [ "$(left)" -lt 60 ]; then echo "$name: skipped, $(left) s left" | tee -a "$OUT/skipped.txt"; continue; fi
   echo "== $name (started at ${SECONDS}s)"
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((P - 1))) XLA_PYTHON_CLIENT_PREALLOCATE=true \
-    timeout "$(left)" python3 benchmarks/train_once.py --out "$W/records/$name" "$(config "$path" "$exchange" "$mtp" "$batch")" \
+    timeout "$(left)" python3 benchmarks/train_once.py --out "$W/records/$name" "$(config "$path" "$exchange" "$mtp" "$batch" "$memory")" \
     >"$W/$name.log" 2>&1
   echo "$name: exit code $? at ${SECONDS}s"
   grep -E '^\{"config"' "$W/$name.log" | python3 -c "import json, sys

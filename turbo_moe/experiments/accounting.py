@@ -13,6 +13,9 @@ The estimates are analytic and state their assumptions:
   a layer's values over ``tensor``. The stacked weights' cast to the compute dtype before the layer scan is not
   modelled: XLA:CPU and the GPU move the peak in opposite directions (docs/notes/archive).
   ``master_weights="split"`` keeps each stacked float32 master as a bf16 copy + 16 low bits: the same 4 bytes.
+  ``optimizer_state_memory="host"`` keeps the moments in host memory (``host_state_bytes_per_device``), not the
+  device's (the split masters' low bits go there too; not modelled: the device estimate is high by up to 2 bytes a
+  stacked weight).
 - The MoE working set is where the paths differ: ``dense_cf`` builds (B, S, E, C) dispatch/combine
   one-hot tensors and runs E x C slots per sequence (C = ceil(S k / E) cf, padding included); the
   dropless paths (``paths.DROPLESS_PATHS``: ragged, turbo, pallas) hold the B S k sorted token copies only.
@@ -28,7 +31,7 @@ import pandas as pd
 
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
 from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS, expert_capacity
-from turbo_moe.train.config import MOMENTS_DTYPES
+from turbo_moe.train.config import MOMENTS_DTYPES, OPTIMIZER_STATE_MEMORIES
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -114,19 +117,37 @@ def _per_device(routed: float, other: float, mesh: MeshShape) -> float:
             + other / (mesh.tensor * mesh.pipeline * data_split * (mesh.expert if mesh.fsdp else 1)))
 
 
-def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str | None = None,
-                           adam_nu_dtype: str | None = None) -> float:
-    """AdamW training states per device: params + grads (in param_dtype) + the first and second moments
-    (``adam_mu_dtype`` / ``adam_nu_dtype``, as the TrainConfig fields resolved for a device,
-    ``TrainConfig.resolved``; None: param_dtype, as optax keeps them)."""
+def _moment_bytes(cfg: ModelConfig, adam_mu_dtype: str | None, adam_nu_dtype: str | None,
+                  optimizer_state_memory: str) -> int:
+    """Bytes a parameter of both AdamW moments."""
     for name, dtype in (("adam_mu_dtype", adam_mu_dtype), ("adam_nu_dtype", adam_nu_dtype)):
         if dtype not in RESOLVED_MOMENT_DTYPES:
             raise ValueError(f"{name} must be None, 'bfloat16' or 'float32' (resolve 'auto' with "
                              f"TrainConfig.resolved(platform)), got {dtype!r}")
-    per_param = (2 * _BYTES[cfg.param_dtype] + _BYTES[adam_mu_dtype or cfg.param_dtype]
-                 + _BYTES[adam_nu_dtype or cfg.param_dtype])
+    if optimizer_state_memory not in OPTIMIZER_STATE_MEMORIES:
+        raise ValueError(f"optimizer_state_memory must be one of {OPTIMIZER_STATE_MEMORIES}, got "
+                         f"{optimizer_state_memory!r}")
+    return _BYTES[adam_mu_dtype or cfg.param_dtype] + _BYTES[adam_nu_dtype or cfg.param_dtype]
+
+
+def state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str | None = None,
+                           adam_nu_dtype: str | None = None, optimizer_state_memory: str = "device") -> float:
+    """AdamW training states in each device's memory: params + grads (in param_dtype) + the first and second moments
+    (``adam_mu_dtype`` / ``adam_nu_dtype``, as the TrainConfig fields resolved for a device,
+    ``TrainConfig.resolved``; None: param_dtype, as optax keeps them) unless ``optimizer_state_memory="host"``."""
+    moments = _moment_bytes(cfg, adam_mu_dtype, adam_nu_dtype, optimizer_state_memory)
+    per_param = 2 * _BYTES[cfg.param_dtype] + (moments if optimizer_state_memory == "device" else 0)
     budget = param_budget(cfg)
     return per_param * _per_device(budget["routed experts"], budget["other"], mesh)
+
+
+def host_state_bytes_per_device(cfg: ModelConfig, mesh: MeshShape, adam_mu_dtype: str | None = None,
+                                adam_nu_dtype: str | None = None, optimizer_state_memory: str = "device") -> float:
+    """The AdamW moments a device keeps in host memory (``optimizer_state_memory="host"``; else 0)."""
+    moments = _moment_bytes(cfg, adam_mu_dtype, adam_nu_dtype, optimizer_state_memory)
+    budget = param_budget(cfg)
+    return (moments if optimizer_state_memory == "host" else 0) * _per_device(budget["routed experts"],
+                                                                            budget["other"], mesh)
 
 
 def moe_working_set_bytes(cfg: ModelConfig, path: str, per_device_batch: int, seq_len: int) -> float:
@@ -241,14 +262,14 @@ def activation_bytes_per_device(
 
 def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
                       mesh: MeshShape | None = None, adam_mu_dtype: str | None = None,
-                      adam_nu_dtype: str | None = None) -> dict[str, float]:
-    """Predicted peak bytes per device of one training step of ``cfg`` (its own ``moe_path``): AdamW
-    states (parameters, gradients, two moments; ``adam_mu_dtype`` / ``adam_nu_dtype`` as the resolved TrainConfig
-    fields) plus the activations above. Checked against XLA's buffer assignment by ``benchmarks/memory_check.py``
-    (docs/notes/archive)."""
+                      adam_nu_dtype: str | None = None, optimizer_state_memory: str = "device") -> dict[str, float]:
+    """Predicted peak bytes in each device's memory of one training step of ``cfg`` (its own ``moe_path``): AdamW
+    states (parameters, gradients, two moments; ``adam_mu_dtype`` / ``adam_nu_dtype`` / ``optimizer_state_memory``
+    as the resolved TrainConfig fields; moments in host memory are left out) plus the activations above. Checked
+    against XLA's buffer assignment by ``benchmarks/memory_check.py`` (docs/notes/archive)."""
     mesh = mesh or MeshShape()
     _check_path(cfg.moe_path)
-    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype, adam_nu_dtype),
+    return {"states": state_bytes_per_device(cfg, mesh, adam_mu_dtype, adam_nu_dtype, optimizer_state_memory),
             **activation_bytes_per_device(cfg, cfg.moe_path, mesh, per_device_batch, seq_len)}
 
 

@@ -18,12 +18,12 @@ from turbo_moe.model import ModelConfig, get_config
 from turbo_moe.model.config import MAXTEXT_ALIASES, PRESET_NAMES, record_router_fields
 from turbo_moe.model.config import REMOVED_FIELDS as MODEL_REMOVED_FIELDS
 from turbo_moe.train.config_groups import (FLAT_FIELDS, FLAT_NAMES, GROUPS, MASTER_WEIGHTS, MOMENTS_DTYPES,
-                                           CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, require,
+                                           OPTIMIZER_STATE_MEMORIES, CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, require,
                                            require_int)
 from turbo_moe.train.metrics import TGS_SKIP_STEPS
 
 __all__ = ["TrainConfig", "OptimizerConfig", "DataConfig", "ParallelConfig", "CheckpointConfig", "FIELD_NAMES",
-           "REMOVED_FIELDS", "MOMENTS_DTYPES", "MASTER_WEIGHTS"]
+           "REMOVED_FIELDS", "MOMENTS_DTYPES", "MASTER_WEIGHTS", "OPTIMIZER_STATE_MEMORIES"]
 
 # TrainConfig fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a
 # removed field set to the kept behaviour (old records and specs) and refuses any other value with the reason.

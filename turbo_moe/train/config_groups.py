@@ -14,6 +14,7 @@ from typing import Any
 
 MOMENTS_DTYPES = ("auto", None, "bfloat16", "float32")  # None: the parameters' dtype
 MASTER_WEIGHTS = ("auto", "float32", "split")  # turbo_moe/train/split_master.py
+OPTIMIZER_STATE_MEMORIES = ("device", "host")  # turbo_moe/train/offload.py
 
 
 def _is_int(value: Any) -> bool:
@@ -63,6 +64,10 @@ class OptimizerConfig:
     # Needs the model's dtype bfloat16 and param_dtype float32. "auto": "split" on GPUs where it applies, else
     # "float32". Checkpoints hold the layout they were written in: resume with the same (resolved) setting.
     master_weights: str = "auto"
+    # Where the state only the update reads (the AdamW moments; with "split", the master weights' low 16 bits) lives
+    # between steps: "device", or "host" (the devices' pinned host memory, brought over for the update inside the
+    # step, turbo_moe.train.offload): device memory against the step's host transfers. Checkpoints are alike.
+    optimizer_state_memory: str = "device"
 
     def __post_init__(self):
         require(_is_number(self.learning_rate) and self.learning_rate > 0, "learning_rate",
@@ -81,6 +86,9 @@ class OptimizerConfig:
                 "moments_dtype", f"got {self.moments_dtype!r}; expected one of {MOMENTS_DTYPES}")
         require(isinstance(self.master_weights, str) and self.master_weights in MASTER_WEIGHTS, "master_weights",
                 f"got {self.master_weights!r}; expected one of {MASTER_WEIGHTS}")
+        require(isinstance(self.optimizer_state_memory, str) and self.optimizer_state_memory in
+                OPTIMIZER_STATE_MEMORIES, "optimizer_state_memory",
+                f"got {self.optimizer_state_memory!r}; expected one of {OPTIMIZER_STATE_MEMORIES}")
 
 
 @dataclasses.dataclass(frozen=True)

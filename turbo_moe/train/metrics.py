@@ -135,6 +135,8 @@ def compiled_memory(compiled) -> dict[str, int]:
     out = {name: int(getattr(analysis, name, 0) or 0) for name in fields}
     out["total_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
                           - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
+    # Host memory the program uses beside the device's (TrainConfig.optimizer_state_memory="host"): not in total_bytes.
+    out.update({f"host_{name}": int(getattr(analysis, f"host_{name}", 0) or 0) for name in fields[:4]})
     return out
 
 

@@ -29,6 +29,7 @@ from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train s
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.init_program import InitProgram
 from turbo_moe.train.low_precision_adam import with_adam_nu_dtype
+from turbo_moe.train.offload import check_host_memory, host_shardings, on_device
 from turbo_moe.train.split_master import joined_params, split_params
 from turbo_moe.train import scan_outputs
 from turbo_moe.train.scan_outputs import LoweredWithUninitializedScans
@@ -42,7 +43,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # () int32, optimizer updates applied so far
     params: Any  # nnx.State of nnx.Param (float32; "split": bf16 at master_low's paths, see `master_params`)
     extra: Any  # nnx.State of non-Param variables (router biases)
-    opt_state: Any  # optax state
+    opt_state: Any  # optax state (TrainConfig.optimizer_state_memory="host": in pinned host memory between steps)
     # TrainConfig.cast_params_in_update: the stacked layers' cast-at-use weights in the compute dtype (an nnx.State
     # with a subset of params' paths), written by each update and read by the next forward pass; None otherwise.
     # Derived from params: not checkpointed (`Program.refresh_compute` rebuilds it after a restore).
@@ -193,8 +194,10 @@ def _merge(graphdef, params, extra) -> DeepSeekModel:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation,
-                    bias_rate: float | Callable[[jax.Array], jax.Array], cast: ComputeCast | None = None) -> Callable:
-    """(state, batch) -> (state, metrics). batch: {"inputs","targets"} (B, S) int32, sharded on B."""
+                    bias_rate: float | Callable[[jax.Array], jax.Array], cast: ComputeCast | None = None,
+                    offloaded: TrainState | None = None) -> Callable:
+    """(state, batch) -> (state, metrics). batch: {"inputs","targets"} (B, S) int32, sharded on B. `offloaded`: the
+    state's shardings when part of it lives in host memory (turbo_moe.train.offload), brought over for the update."""
 
     def train_step(state: TrainState, batch: dict):
         # nnx.value_and_grad (not jax's) so the model's nnx.remat blocks see a consistent trace context;
@@ -205,6 +208,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation,
         forward = _merge(graphdef, params_in, state.extra)
         (_, metrics), grads = grad_fn(forward, batch)
         with jax.named_scope("optimizer"):
+            if offloaded is not None:  # after the backward pass: the copies need not sit beside its activations
+                state = on_device(state, offloaded)
             master = master_params(state)  # "split": joined in the update's fused pass, never stored as float32
             if cast is not None:  # the compute copy's gradients, as the cast's transpose gives them: in float32
                 grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
@@ -286,13 +291,18 @@ def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module, split: bool
 def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
                   fsdp: bool = True, gpu_autotune_level: int | None = None,
                   scan_outputs_uninitialized: bool | None = None, cast_params_in_update: bool = False,
-                  split_master: bool = False) -> Program:
-    """The jitted programs of one configuration; `split_master` is `TrainConfig.master_weights == "split"`.
+                  split_master: bool = False, offload_optimizer: bool = False) -> Program:
+    """The jitted programs of one configuration; `split_master` is `TrainConfig.master_weights == "split"`,
+    `offload_optimizer` `TrainConfig.optimizer_state_memory == "host"` (turbo_moe.train.offload).
     scan_outputs_uninitialized None: on GPU meshes wherever this JAX allows it (`scan_outputs.supported`), as runs do;
     cast_params_in_update: a test reference for the split layout (runs never set it)."""
     if not isinstance(split_master, bool) or not isinstance(cast_params_in_update, bool):
         raise TypeError(f"build_program: cast_params_in_update and split_master must be bools, got "
                         f"{cast_params_in_update!r} and {split_master!r}")
+    if not isinstance(offload_optimizer, bool):
+        raise TypeError(f"build_program: offload_optimizer must be a bool, got {offload_optimizer!r}")
+    if offload_optimizer:
+        check_host_memory(mesh)
     if split_master and cast_params_in_update:
         raise ValueError("build_program: split_master (TrainConfig.master_weights='split') already keeps the bf16 "
                          "compute copy in the state: pass cast_params_in_update=False")
@@ -304,6 +314,8 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
     shapes = jax.eval_shape(create, key)
     state_sharding = state_shardings(shapes, mesh, fsdp=fsdp)
+    offloaded = host_shardings(state_sharding, shapes) if offload_optimizer else None
+    state_sharding = state_sharding if offloaded is None else offloaded  # where the state lives between steps
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   shapes, state_sharding)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
@@ -312,7 +324,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
                        one_draw=jax.jit(_with_one_normal_draw(create), out_shardings=state_sharding,
                                         compiler_options=options))
     bias_rate = functools.partial(bias_rate_at, model_cfg)
-    train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate, cast), mesh),
+    train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate, cast, offloaded), mesh),
                     in_shardings=(state_sharding, data_sharding),
                     out_shardings=(state_sharding, replicated(mesh)), donate_argnums=0, compiler_options=options)
     evaluate = jax.jit(_in_mesh(make_eval_step(graphdef), mesh), in_shardings=(state_sharding, data_sharding),
@@ -356,7 +368,8 @@ def program_for(tc: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Program:
     """`build_program` with every program switch of `tc` (resolved for the mesh's devices): the one place a new
     switch is passed on."""
     tc = tc.resolved(mesh.devices.flat[0].platform)
-    return build_program(model_cfg, make_optimizer(tc), mesh, tc.fsdp, None, None, False, tc.master_weights == "split")
+    return build_program(model_cfg, make_optimizer(tc), mesh, tc.fsdp, None, None, False, tc.master_weights == "split",
+                         tc.optimizer_state_memory == "host")
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> dict:
