@@ -36,10 +36,17 @@ for spec in $POINTS; do
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((P - 1))) XLA_PYTHON_CLIENT_PREALLOCATE=true \
     timeout "$(left)" python3 benchmarks/train_once.py --out "$W/records/$name" "$(config "$path" "$exchange" "$mtp" "$batch" "$memory")" \
     >"$W/$name.log" 2>&1
-  echo "$name: exit code $? at ${SECONDS}s"
+  rc=$?
+  echo "$name: exit code $rc at ${SECONDS}s"
+  # A process that dies before writing its record (a crash in XLA, a timeout) is still a row: status failed.
   grep -E '^\{"config"' "$W/$name.log" | python3 -c "import json, sys
-for line in sys.stdin:
-    r = json.loads(line); r['point'] = '$name'; print(json.dumps(r))" | tee -a "$OUT/points.jsonl"
+rows = [json.loads(line) for line in sys.stdin]
+if not rows:
+    tail = [l.strip() for l in open('$W/$name.log', errors='replace') if l.strip()][-2:]
+    rows = [{'config': json.loads(sys.argv[1]), 'status': 'failed',
+             'error': f'process exit code $rc without a record; log tail: ' + ' | '.join(tail)[-400:]}]
+for r in rows:
+    r['point'] = '$name'; print(json.dumps(r))" "$(config "$path" "$exchange" "$mtp" "$batch" "$memory")" | tee -a "$OUT/points.jsonl"
   grep -E "Error|error:" "$W/$name.log" | head -3
   tar -C "$W" -czf "$OUT/records.tgz" records $(cd "$W" && ls ./*.log 2>/dev/null)
 done

@@ -9,7 +9,8 @@ One step = value_and_grad of sum(layer(x) * probe) in the parameters and x, jitt
 median step time (the TGS of a one-layer model), and the step's device memory from the compiled memory analysis
 (arguments + outputs + temporaries). Shapes: `reduced` (64 experts, top-6, d 1280, f 512, 8 x 2048 tokens) and
 DeepSeek-V3 (256 experts, top-8, d 7168, f 2048, 2 x 2048 tokens, bf16 weights: float32 ones and their gradients
-need 90 GB). Each row is appended to <out>.csv / .json as it finishes.
+need 90 GB). Each row is appended to <out>.csv / .json as it finishes. Each contender runs in a child process
+(--isolate, the default; --point-timeout-s): one that hangs or crashes is a 'timeout' / 'failed' row, not the end.
 
 --ep N: expert parallelism over the first N devices, the batch above per device. MaxText: ici_expert_parallelism=N,
 its default exchange (ragged_all_to_all; the GEMMs inside its shard_map on turbo for maxtext_sparse_turbo; the
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,6 +40,9 @@ from flax import nnx
 
 from turbo_moe.provenance import TABLE_COLUMNS, package_version
 from turbo_moe.provenance import collect as collect_provenance
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import Recorder, error_text  # noqa: E402 (one writer of rows for both benchmarks)
 
 CONTENDERS = ("maxtext_dense_cf1.25", "maxtext_sparse", "maxtext_sparse_turbo", "turbo_moe_layer")
 FIELDS = [*TABLE_COLUMNS, "shape", "ep", "contender", "tokens", "E", "top_k", "d_model", "d_ff", "dtype", "weight_dtype",
@@ -169,10 +175,47 @@ def run_one(shape: Shape, contender: str, args) -> dict:
                       step_mib=round(total, 1), temp_mib=round(temp, 1))
 
 
+ROW_TAG = "MAXTEXT_MOE_ROW "
+
+
+def run_guarded(shape: Shape, contender: str, args) -> dict:
+    """run_one, its failure a row: an import error is 'unavailable', anything else (an OOM) 'failed'."""
+    try:
+        return run_one(shape, contender, args)
+    except ImportError as e:
+        return dict(status="unavailable", error=error_text(e))
+    except Exception as e:  # noqa: BLE001 (an OOM or failure is a row; the run goes on)
+        return dict(status="failed", error=error_text(e))
+
+
+def run_isolated(shape_name: str, contender: str, argv: list[str], budget_s: float, point_timeout_s: float) -> dict:
+    """One contender in a child process of this script, so that one which hangs (a device out of memory while the
+    other waits at a collective) or crashes is a row and the next contender gets clean devices."""
+    import subprocess  # noqa: PLC0415
+    keep, skip = [], False
+    for a in argv:  # this run's arguments less those the child gets its own of
+        if skip:
+            skip = False
+        elif a in ("--shapes", "--contenders", "--out"):
+            skip = True
+        elif not a.startswith(("--shapes=", "--contenders=", "--out=", "--isolate", "--no-isolate")):
+            keep.append(a)
+    cmd = [sys.executable, __file__, *keep, "--no-isolate", "--worker", "--shapes", shape_name,
+           "--contenders", contender, "--out", os.path.join(tempfile.mkdtemp(), "row")]
+    timeout = max(1.0, min(budget_s, point_timeout_s))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(status="timeout", error=f"no result within {timeout:.0f} s (a hang: e.g. one device out of "
+                                            "memory while another waits at a collective)")
+    rows = [json.loads(line[len(ROW_TAG):]) for line in done.stdout.splitlines() if line.startswith(ROW_TAG)]
+    if rows:
+        return rows[-1]
+    tail = " | ".join(line for line in (done.stderr or done.stdout).splitlines()[-3:] if line.strip())
+    return dict(status="failed", error=f"worker exit code {done.returncode} without a row: {tail[-300:]}")
+
+
 def main(argv=None):
-    import sys  # noqa: PLC0415
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from peers import Recorder, error_text  # noqa: PLC0415 (one writer of rows for both benchmarks)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="experiments/results/maxtext_moe", help="path stem: .csv and .json")
@@ -184,6 +227,11 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism over the first N devices")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new contenders after this")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                        help="each contender in a child process (a hang or crash becomes a row); --no-isolate: in "
+                             "this process")
+    parser.add_argument("--point-timeout-s", type=float, default=240.0, help="a child's time limit (with --isolate)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --isolate
     args = parser.parse_args(argv)
     shape_names = ["smoke"] if args.smoke else args.shapes.split(",")
     if not 1 <= args.ep <= len(jax.devices()):
@@ -209,12 +257,14 @@ def main(argv=None):
             if time.monotonic() > deadline:
                 rec.add(row | dict(status="skipped", error="time budget (--budget-s) spent"))
                 continue
-            try:
-                rec.add(row | run_one(shape, contender, args))
-            except ImportError as e:
-                rec.add(row | dict(status="unavailable", error=error_text(e)))
-            except Exception as e:  # noqa: BLE001 (an OOM or failure is a row; the run goes on)
-                rec.add(row | dict(status="failed", error=error_text(e)))
+            if args.isolate:
+                rec.add(row | run_isolated(name, contender, argv or sys.argv[1:], deadline - time.monotonic(),
+                                           args.point_timeout_s))
+                continue
+            result = run_guarded(shape, contender, args)
+            if args.worker:
+                print(ROW_TAG + json.dumps(result), flush=True)
+            rec.add(row | result)
     for r in rec.rows:
         print(f"{r['shape']:12s} {r['contender']:22s} {r['status']:8s} {r.get('step_ms', ''):>9} ms "
               f"{r.get('tokens_per_s', ''):>10} tok/s {r.get('step_mib', ''):>9} MiB {r.get('error', '')}")
