@@ -206,8 +206,9 @@ def run_isolated(shape_name: str, contender: str, argv: list[str], budget_s: flo
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return dict(status="timeout", error=f"no result within {timeout:.0f} s (a hang: e.g. one device out of "
-                                            "memory while another waits at a collective)")
+        why = ("the time left of --budget-s" if timeout < point_timeout_s else
+               "--point-timeout-s; a hang, e.g. one device out of memory while another waits at a collective?")
+        return dict(status="timeout", error=f"no result within {timeout:.0f} s ({why})")
     rows = [json.loads(line[len(ROW_TAG):]) for line in done.stdout.splitlines() if line.startswith(ROW_TAG)]
     if rows:
         return rows[-1]
