@@ -12,6 +12,9 @@ each forward ("fwd") and forward + backward ("fwd+bwd", the cotangent given; gra
     fp8_fused   ops.permute_fp8 (rows quantised in the permute's copy) + ops.grouped_gemm_fp8_quantized; its backward
                 is expert_block's: the bf16 rows rebuilt by permute_rows, the FP8 op's VJP, unpermute
     permute / permute_fp8 alone (fwd), the copy each GEMM path starts with
+  quantize group columns, the weight gradient's 128x1 quantiser of (M, C) rows, C = K (the activations) and C = N
+  (the output gradient): "jnp" (XLA's gather, reduction and transpose) against "kernel" (ops.quantize_group_columns),
+  and how many FP8 codes the two give differently on the GPU (XLA's GPU quantiser may differ by one code at ties)
   the whole expert block (permute -> gate/up -> SwiGLU -> down -> unpermute, fwd+bwd), `ops.expert_block` with the
   GEMM sets "turbo" (bf16, fused SwiGLU kernels), "fp8" and "fp8" without its permute_forward (rows quantised by XLA).
 TFLOP/s count 2*M*K*N per GEMM (3 GEMMs for fwd+bwd; the block: 6*M*D*F forward). Shapes: DeepSeek-V3 G=32 (T=8192,
@@ -39,7 +42,7 @@ from grouped_gemm import EventTimer, routing_sizes
 from turbo_moe import ops
 from turbo_moe.ops.grouped_gemm_fp8 import (
     quantize_blocks,
-    quantize_group_columns,
+    quantize_group_columns_xla,
     quantize_rows,
     rows_product,
     weight_grad_product,
@@ -87,8 +90,8 @@ def _old_bwd(res, d_out):
     dq, ds = quantize_rows(d_out)
     wq, ws = quantize_blocks(rhs)  # the weights quantised again
     d_lhs = rows_product(dq, ds, wq, jnp.swapaxes(ws, 1, 2), group_sizes, out_dtype=lhs.dtype)
-    lq_t, ls_t = quantize_group_columns(lhs, group_sizes)
-    dq_t, ds_t = quantize_group_columns(d_out, group_sizes)
+    lq_t, ls_t = quantize_group_columns_xla(lhs, group_sizes)
+    dq_t, ds_t = quantize_group_columns_xla(d_out, group_sizes)
     d_rhs = weight_grad_product(lq_t, ls_t, dq_t, ds_t, group_sizes, lhs.shape[0], out_dtype=rhs.dtype)
     return d_lhs, d_rhs, None
 
@@ -190,6 +193,8 @@ def run_case(timer, case: Case, args, rows, table):
     except Exception as e:
         rows.append(base | dict(unit="permute_gemm", impl="fp8_fused", op="fwd_equals_fp8_op",
                                 status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+    quantize_group_columns_units(timer, case, rows, base, reps, keys[0])
+    write(rows, table, args)
     del w, dy
     # the whole expert block: D = K, gate/up (G, D, 2F), down (G, F, D)
     w_gate_up = jax.random.normal(keys[3], (case.G, case.K, 2 * case.F), jnp.bfloat16) / float(np.sqrt(case.K))
@@ -208,6 +213,26 @@ def run_case(timer, case: Case, args, rows, table):
                                         for r in done), flush=True)
 
 
+def quantize_group_columns_units(timer, case: Case, rows, base, reps, key):
+    sizes = jnp.asarray(routing_sizes("balanced", case.M, case.G), jnp.int32)
+    for width in (case.K, case.N):
+        x = jax.random.normal(key, (case.M, width), jnp.bfloat16)
+        row = base | dict(unit="quantize_group_columns", op="fwd", C=width)
+        for impl, fn in (("jnp", quantize_group_columns_xla), ("kernel", ops.quantize_group_columns)):
+            rows.append(measure(timer, fn, (x, sizes), 0, row | dict(impl=impl), reps))
+        try:
+            (q, s), (q_ref, s_ref) = jax.jit(ops.quantize_group_columns)(x, sizes), jax.jit(quantize_group_columns_xla)(
+                x, sizes)
+            differ = np.asarray(q).view(np.uint8) != np.asarray(q_ref).view(np.uint8)
+            rows.append(row | dict(impl="kernel", op="codes_differing_from_jnp", status="ok",
+                                   same=f"{int(differ.sum())}/{differ.size}",
+                                   scales_equal=bool(jnp.array_equal(s, s_ref))))
+        except Exception as e:
+            rows.append(row | dict(impl="kernel", op="codes_differing_from_jnp",
+                                   status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+        del x
+
+
 def summarize(rows) -> list[str]:
     ok = {(r["case"], r["unit"], r["impl"], r["op"]): r for r in rows if r.get("status") == "ok" and "ms" in r}
     lines = ["ms (speed-up against bf16):"]
@@ -219,6 +244,14 @@ def summarize(rows) -> list[str]:
                 if (c, u, o) == (case, unit, op):
                     parts.append(f"{impl}={r['ms']:.3f}" + (f" ({base['ms'] / r['ms']:.2f}x)" if base else ""))
             lines.append(f"  {case:12s} {unit:13s} {op:8s} " + "  ".join(parts))
+        for r in rows:
+            if (r.get("case"), r.get("unit"), r.get("impl"), r.get("op")) == (case, "quantize_group_columns", "kernel",
+                                                                                "fwd") and r.get("status") == "ok":
+                jnp_row = next((j for j in rows if j.get("case") == case and j.get("unit") == r["unit"]
+                                and j.get("impl") == "jnp" and j.get("C") == r["C"] and j.get("status") == "ok"), None)
+                vs = f"  ({jnp_row['ms'] / r['ms']:.2f}x the jnp one's speed)" if jnp_row else ""
+                jnp_ms = f"jnp={jnp_row['ms']:.3f}  " if jnp_row else ""
+                lines.append(f"  {case:12s} quantize_group_columns C={r['C']:<5d} {jnp_ms}kernel={r['ms']:.3f}{vs}")
     return lines
 
 

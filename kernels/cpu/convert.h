@@ -3,6 +3,7 @@
 // TURBO_MOE_ISA (isa.h), one copy per variant.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -38,6 +39,28 @@ inline uint16_t f32_to_f16(float f) {
   std::memcpy(&h, &v, 2);
   return h;
 }
+
+// float32 -> an FP8 format with kMantissa mantissa bits and exponent bias kBias (e4m3fn: 3, 7; e5m2: 2, 15), rounded
+// to nearest even; |v| <= the format's largest finite value (the caller clips), not NaN.
+template <int kMantissa, int kBias>
+inline uint8_t f32_to_fp8(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t mag = bits & 0x7fffffffu;
+  constexpr float kSubnormalSteps = static_cast<float>(1u << (kBias - 1 + kMantissa));  // per unit
+  if (mag < (static_cast<uint32_t>(128 - kBias) << 23)) {  // below the smallest normal: multiples of the subnormal step
+    float a;
+    std::memcpy(&a, &mag, 4);
+    return sign | static_cast<uint8_t>(std::nearbyint(a * kSubnormalSteps));  // exact; ties to even
+  }
+  // Normal: keep kMantissa of float32's 23 mantissa bits, ties to even (a carry moves into the exponent), rebias.
+  constexpr int kShift = 23 - kMantissa;
+  const uint32_t rounded = (mag + ((1u << (kShift - 1)) - 1u) + ((mag >> kShift) & 1u)) >> kShift;
+  return sign | static_cast<uint8_t>(rounded - (static_cast<uint32_t>(127 - kBias) << kMantissa));
+}
+inline uint8_t f32_to_e4m3(float v) { return f32_to_fp8<3, 7>(v); }
+inline uint8_t f32_to_e5m2(float v) { return f32_to_fp8<2, 15>(v); }
 
 // Converts n contiguous elements of `src` (of dtype `dt`) to float32.
 inline void load_f32(Dtype dt, const void* src, int64_t n, float* dst) {

@@ -11,22 +11,6 @@
 namespace turbo_moe {
 namespace {
 
-// float32 -> e4m3fn, rounded to nearest even; |v| <= 448 (the caller clips), not NaN.
-uint8_t to_e4m3(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  const uint32_t mag = bits & 0x7fffffffu;
-  if (mag < 0x3c800000u) {  // below 2^-6, e4m3's smallest normal: multiples of 2^-9 (8 of them is 2^-6 itself)
-    float a;
-    std::memcpy(&a, &mag, 4);
-    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // exact scaling; ties to even
-  }
-  // Normal: keep 3 of float32's 23 mantissa bits, ties to even (a carry moves into the exponent), rebias 127 -> 7.
-  const uint32_t rounded = (mag + 0x7ffffu + ((mag >> 20) & 1u)) >> 20;
-  return sign | static_cast<uint8_t>(rounded - (120u << 3));
-}
-
 // One row of H values (dtype dt) -> H e4m3 bytes and H/128 scales.
 void quantize_row(Dtype dt, const char* src, int64_t H, uint8_t* q, float* scale) {
   float tile[kPermuteFp8Tile];
@@ -39,7 +23,7 @@ void quantize_row(Dtype dt, const char* src, int64_t H, uint8_t* q, float* scale
     const float s = amax > 0.0f ? amax * inv_max : 1.0f;
     const float inv = 1.0f / s;
     for (int64_t i = 0; i < kPermuteFp8Tile; ++i)
-      q[b * kPermuteFp8Tile + i] = to_e4m3(std::min(kE4m3Max, std::max(-kE4m3Max, tile[i] * inv)));
+      q[b * kPermuteFp8Tile + i] = f32_to_e4m3(std::min(kE4m3Max, std::max(-kE4m3Max, tile[i] * inv)));
     scale[b] = s;
   }
 }

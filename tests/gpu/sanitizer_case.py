@@ -67,6 +67,13 @@ def main():
     expect_rows = ref.permute(np.asarray(other, np.float64), ids, E)[0]
     print("permute_rows exact:", np.array_equal(np.asarray(rows, np.float64), expect_rows))
 
+    # quantize_group_columns: empty groups, sum < M, C not a multiple of the 64-column blocks
+    xq = jnp.asarray(rng.standard_normal((M, 70)), jnp.bfloat16)
+    got = [jax.device_get(ops.quantize_group_columns(jax.device_put(xq, dev), jax.device_put(jnp.asarray(sizes), dev)))
+           for dev in (gpu, jax.devices("cpu")[0])]
+    print("quantize_group_columns equals the CPU handler:",
+          all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)) for a, b in zip(*got)))
+
     # router_topk: both kernels (penalty: a block per sequence over chunks, the last one partial; none: a grid)
     sel = rng.uniform(0, 1, (2, 45, 64)).astype(np.float32)
     bias = rng.normal(0, 0.05, 64).astype(np.float32)

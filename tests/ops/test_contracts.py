@@ -55,6 +55,12 @@ def _permute_fp8(name, message, h=128, xdt=F32, qdt=jnp.float8_e4m3fn, scale=Non
     return Case(name, "turbo_moe_permute_fp8", operands, results, message, dict(zero_tail=True))
 
 
+def _group_columns(name, message, x=(10, 4), xdt=F32, groups=2, qdt=jnp.float8_e4m3fn, sdt=F32, p=384):
+    q = (x[-1], p) if len(x) == 2 else (4, p)
+    results = (spec(q, qdt), spec((p // 128, q[0]), sdt))
+    return Case(name, "turbo_moe_quantize_group_columns", (spec(x, xdt), spec((groups,), I32)), results, message)
+
+
 def _dispatch(name, message, x=(4, 8), ids=(4, 2), xdt=F32, sx=(2, 3, 8), sxdt=F32, P=2, El=2, C=3, counts=(2,)):
     operands = (spec(x, xdt), spec(ids, I32), spec(ids, F32))
     k = ids[-1]
@@ -145,6 +151,18 @@ CASES = [
                  "got H=100", h=100),
     _permute_fp8("permute_fp8_results", "permute_fp8: expected results q [..., T*k, H] and scale [..., T*k, H/128]",
                  scale=(8, 2)),
+    # ---- quantize_group_columns: x (M, C), group_sizes (G,) -> q_t (C, P) fp8, scale (P/128, C) f32
+    _group_columns("group_columns_dtype", "quantize_group_columns: x must be float32/bfloat16/float16", xdt=I32),
+    _group_columns("group_columns_q_dtype", "quantize_group_columns: q_t must be float8_e4m3fn or float8_e5m2",
+                   qdt=U8),
+    _group_columns("group_columns_scale_dtype", "quantize_group_columns: scale must be float32", sdt=BF16),
+    _group_columns("group_columns_rank", "quantize_group_columns: expected x [M, C] and group_sizes [G] (no batch "
+                   "dims, no vmap)", x=(2, 10, 4)),
+    _group_columns("group_columns_width", "quantize_group_columns: x must have C >= 1 columns", x=(10, 0)),
+    _group_columns("group_columns_width_bound", "quantize_group_columns: x's C must be <= 4194240, got C=4194241",
+                   x=(0, 64 * 65535 + 1), groups=0, p=0),
+    _group_columns("group_columns_results", "quantize_group_columns: expected results q_t [C, P] and scale [P/128, C] "
+                   "with P = 384 (padded_rows(M, G) in turbo_moe/ops/quantize_group_columns.py)", p=256),
     # ---- unpermute: y (R, H), row_index (T, k), weights (T, k) -> out (T, H)
     Case("unpermute_dtype", "turbo_moe_unpermute", (spec((8, 4), F32), spec((4, 2), I32), spec((4, 2), F32)),
          (spec((4, 4), BF16),), "unpermute: y must be float32/bfloat16/float16 and out the same dtype"),

@@ -15,10 +15,12 @@ multiple of 128 so that no tile spans two groups. E5M2 may be chosen for the gra
 
 Implementations (`impl`): "auto" runs the Hopper kernel (kernels/cuda/grouped_gemm_fp8.cu) on a CUDA device and the
 emulated path elsewhere; "emulated" always runs the emulated path. The emulated path quantises exactly as the kernel's
-callers do (the same jnp code, bit-exact FP8 values and scales; the float8 dtypes are ml_dtypes'), dequantises to
+callers do (the same code, bit-exact FP8 values and scales; the float8 dtypes are ml_dtypes'), dequantises to
 float32 and runs the float32 grouped GEMM kernels: it is the same math up to float32 summation order. It is jnp rather
 than a C++ handler because the only FP8-specific work on the CPU is elementwise (quantise, dequantise), which XLA
-fuses; the product is the existing float32 kernel. E5M2 gradients run the emulated product on every platform (the
+fuses; the product is the existing float32 kernel. The one quantiser that is not elementwise, the weight gradient's
+128x1 tiles in the group-padded layout, is an FFI op on every platform (`ops.quantize_group_columns`, bit-identical to
+its jnp reference `quantize_group_columns_xla`). E5M2 gradients run the emulated product on every platform (the
 CUDA kernel takes E4M3 only).
 
 `grouped_gemm_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes)` takes rows already quantised per 1x128 tile (by
@@ -45,6 +47,7 @@ from turbo_moe.ops.grouped_gemm import (
     grouped_gemm,
     grouped_gemm_weight_grad,
 )
+from turbo_moe.ops.quantize_group_columns import padded_rows, quantize_group_columns  # noqa: F401  (re-exported)
 
 BLOCK = 128  # the scale tile along the contraction, and the weights' block edge
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -101,15 +104,11 @@ def quantize_blocks(w, dtype=E4M3, *, transpose: bool = False):
     return (jnp.swapaxes(q, 1, 2) if transpose else q), scale
 
 
-def padded_rows(m: int, groups: int) -> int:
-    """P of the weight gradient's group-padded layout: room for every group rounded up to 128 rows."""
-    return -(-(m + (BLOCK - 1) * groups) // BLOCK) * BLOCK
-
-
-def quantize_group_columns(x, group_sizes, dtype=E4M3):
-    """Per 128x1 tile within each group (the weight gradient's operands): x (M, C), int32 group_sizes (G,) ->
-    q_t (C, P) fp8, scale (P/128, C) float32. Group g's rows start at column sum_{h<g} ceil(size_h / 128) * 128 of
-    q_t (sizes clamped as the forward clamps them); padding and rows past the groups are zero."""
+def quantize_group_columns_xla(x, group_sizes, dtype=E4M3):
+    """`quantize_group_columns` in jnp, the reference its kernels match bit for bit (tests, benchmarks): x (M, C),
+    int32 group_sizes (G >= 1,) -> q_t (C, P) fp8, scale (P/128, C) float32. Group g's rows start at column
+    sum_{h<g} ceil(size_h / 128) * 128 of q_t (sizes clamped as the forward clamps them); padding and rows past the
+    groups are zero. XLA runs it as a gather into a float32 (P, C) copy, a reduction and a transpose."""
     dtype = _fp8_dtype("dtype", dtype)
     m, c = x.shape
     n_groups = group_sizes.shape[0]
@@ -278,7 +277,8 @@ def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtyp
     if lhs_dtype is not None:  # d_out (M, N) per 1x128 along N against the same 128x128 weight blocks, (G, K, N)
         dq, ds = quantize_rows(d_out, grad_dtype)
         d_lhs = rows_product(dq, ds, wq, jnp.swapaxes(ws, 1, 2), group_sizes, out_dtype=lhs_dtype, impl=impl)
-    # Weight gradient: lhs and d_out per 128x1 tile along the rows, in the group-padded layout.
+    # Weight gradient: lhs and d_out per 128x1 tile along the rows, in the group-padded layout (the FFI kernel on
+    # every platform, the emulated path too: its CPU handler is bit-identical to the jnp quantiser).
     lq_t, ls_t = quantize_group_columns(lhs, group_sizes)
     dq_t, ds_t = quantize_group_columns(d_out, group_sizes, grad_dtype)
     d_rhs = weight_grad_product(lq_t, ls_t, dq_t, ds_t, group_sizes, m, out_dtype=rhs_type.dtype, impl=impl)
