@@ -204,7 +204,7 @@ def run_isolated(shape_name: str, contender: str, argv: list[str], budget_s: flo
            "--contenders", contender, "--out", os.path.join(tempfile.mkdtemp(), "row")]
     timeout = max(1.0, min(budget_s, point_timeout_s))
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         why = ("the time left of --budget-s" if timeout < point_timeout_s else
                "--point-timeout-s; a hang, e.g. one device out of memory while another waits at a collective?")

@@ -63,7 +63,8 @@ def test_fp8_rows_are_held_to_the_fp8_bound(peers, tmp_path):
     out = tmp_path / "peers_fp8"
     peers.main(["--smoke", "--shapes", "smoke_fp8_G3,smoke_odd_G3", "--routings", "skewed", "--modes", "fwd,fwd_bwd",
                 "--warmup", "0", "--reps", "1", "--tune-shapes", "", "--out", str(out)])
-    rows = [r for r in csv.DictReader(open(out.with_suffix(".csv"))) if r["contender"] == "turbo_fp8"]
+    with open(out.with_suffix(".csv")) as fh:
+        rows = [r for r in csv.DictReader(fh) if r["contender"] == "turbo_fp8"]
     fp8 = {(r["shape"], r["mode"]): r for r in rows}
     for mode in ("fwd", "fwd_bwd"):
         ok = fp8[("smoke_fp8_G3", mode)]
