@@ -28,8 +28,8 @@ from _records import write_csv  # noqa: E402
 
 GIB = 2**30
 SWITCHES = ("remat_policy", "moments_dtype", "adam_mu_dtype", "adam_nu_dtype", "adam_nu_rounding",
-            "cast_params_before_scan", "cast_params_in_update", "master_weights", "scan_outputs_uninitialized", "loss_chunk_tokens",
-            "logits_dtype", "param_dtype",
+            "cast_params_before_scan", "cast_params_in_update", "master_weights", "optimizer_state_memory",
+            "scan_outputs_uninitialized", "loss_chunk_tokens", "logits_dtype", "param_dtype",
             "learning_rate", "capacity_factor", "n_experts", "n_layers", "mtp_depth", "router_recipe", "router_center_causal",
             "router_seq_load_penalty", "router_topk_impl", "attention_impl", "expert_backward", "swiglu_impl",
             "embedding_grad")
@@ -37,14 +37,14 @@ SWITCHES = ("remat_policy", "moments_dtype", "adam_mu_dtype", "adam_nu_dtype", "
 
 _SHORT = {"remat_policy": "remat", "moments_dtype": "moments", "adam_mu_dtype": "mu", "adam_nu_dtype": "nu",
           "adam_nu_rounding": "nu_round", "cast_params_before_scan": "cast", "cast_params_in_update": "cast_update", "master_weights": "master",
-          "scan_outputs_uninitialized": "uninit", "loss_chunk_tokens": "chunk", "logits_dtype": "logits",
+          "optimizer_state_memory": "opt_state", "scan_outputs_uninitialized": "uninit", "loss_chunk_tokens": "chunk", "logits_dtype": "logits",
           "param_dtype": "params", "router_recipe": "router", "router_center_causal": "center", "router_seq_load_penalty": "seqload",
           "router_topk_impl": "topk", "attention_impl": "attn", "expert_backward": "expert_bwd", "swiglu_impl": "swiglu",
           "embedding_grad": "emb_grad"}
 
 
 # A valued switch's setting that means "off" (its default), left out of the figure's labels like False.
-_OFF = {"master_weights": "float32"}
+_OFF = {"master_weights": "float32", "optimizer_state_memory": "device"}
 
 
 def _switch_label(key: str, value) -> str:
@@ -96,7 +96,8 @@ def _predicted_gib(tc, cfg, config: dict, prov: dict | None = None) -> float:
     prov = prov or {}
     pred = memory_prediction(cfg, tc.per_device_batch, tc.seq_len,
                              adam_mu_dtype=_moment_dtype(tc, config, prov, "adam_mu_dtype"),
-                             adam_nu_dtype=_moment_dtype(tc, config, prov, "adam_nu_dtype"))
+                             adam_nu_dtype=_moment_dtype(tc, config, prov, "adam_nu_dtype"),
+                             optimizer_state_memory=tc.optimizer_state_memory)
     return sum(pred.values()) / GIB
 
 
