@@ -1,0 +1,58 @@
+"""benchmarks/maxtext_moe.py's CPU check: at EP=2 each contender runs in its own process and comes back as a row;
+turbo_moe's layer runs on a (1, 2) mesh; a contender that does not import (MaxText is not installed in CI) or that
+runs past its time limit is a row saying why, and the next contender still runs."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("maxtext_moe", ROOT / "benchmarks" / "maxtext_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["maxtext_moe"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows_of(out: Path) -> dict[str, dict]:
+    with open(out.with_suffix(".csv")) as fh:
+        return {r["contender"]: r for r in csv.DictReader(fh)}
+
+
+def test_isolated_contenders_at_ep2(bench, tmp_path):
+    out = tmp_path / "mx"
+    bench.main(["--smoke", "--ep", "2", "--warmup", "0", "--reps", "1", "--contenders",
+                "maxtext_sparse,turbo_moe_layer", "--out", str(out)])
+    rows = rows_of(out)
+    ours = rows["turbo_moe_layer"]
+    assert ours["status"] == "ok" and ours["ep"] == "2", ours
+    assert float(ours["step_ms"]) > 0 and float(ours["step_mib"]) > 0
+    maxtext = rows["maxtext_sparse"]
+    try:
+        import maxtext  # noqa: F401
+    except ImportError:
+        assert maxtext["status"] == "unavailable" and "maxtext" in maxtext["error"], maxtext
+    else:
+        assert maxtext["status"] == "ok", maxtext
+
+
+def test_a_contender_past_its_time_is_a_row(bench, tmp_path):
+    out = tmp_path / "slow"
+    bench.main(["--smoke", "--ep", "2", "--warmup", "0", "--reps", "1", "--contenders", "turbo_moe_layer",
+                "--point-timeout-s", "0.5", "--out", str(out)])
+    row = rows_of(out)["turbo_moe_layer"]
+    assert row["status"] == "timeout" and "--point-timeout-s" in row["error"], row
+
+
+def test_ep_beyond_the_devices_is_refused(bench, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--ep", "999", "--out", str(tmp_path / "x")])
