@@ -6,7 +6,8 @@
     normalize(mapping)           old spellings (``device``, ``jax``, ``commit``) renamed to the schema's
 
 Fields (``FIELDS``): device_kind, device_count, local_device_count, process_count, platform, cpu,
-grouped_gemm (which CUDA grouped GEMM the library holds, see `turbo_moe.ops.kernel_info`),
+grouped_gemm (which CUDA grouped GEMM the library holds, see `turbo_moe.ops.kernel_info`), kernel_library (the
+library file loaded, with its content hash: `TURBO_MOE_LIB_DIR` can select another build),
 jax_version, jaxlib_version, flax_version, optax_version, python_version, git_commit (the full hash,
 ``-dirty`` appended when tracked files differ from it), git_dirty, hostname, date (UTC, ISO seconds),
 xla_flags (``$XLA_FLAGS`` as the process saw it, None when unset: flags change what XLA compiles).
@@ -17,6 +18,8 @@ tree is a copy without ``.git`` (the GPU machine). Standard library only until `
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 DEVICE_FIELDS = ("device_kind", "device_count", "local_device_count", "process_count", "platform",
-                 "grouped_gemm")
+                 "grouped_gemm", "kernel_library")
 PACKAGES = ("jax", "jaxlib", "flax", "optax")
 FIELDS = (*DEVICE_FIELDS, "cpu", *(f"{p}_version" for p in PACKAGES), "python_version", "git_commit",
           "git_dirty", "hostname", "date", "xla_flags", "load_per_core")
@@ -62,9 +65,19 @@ def _device_info() -> dict[str, Any]:
     from turbo_moe.ops import kernel_info
 
     first = jax.devices()[0]
+    info = kernel_info()
     return {"device_kind": first.device_kind, "device_count": jax.device_count(),
             "local_device_count": jax.local_device_count(), "process_count": jax.process_count(),
-            "platform": first.platform, "grouped_gemm": kernel_info().get("grouped_gemm")}
+            "platform": first.platform, "grouped_gemm": info.get("grouped_gemm"),
+            "kernel_library": _library_id(info.get("cuda") or info.get("cpu"))}
+
+
+@functools.lru_cache(maxsize=None)
+def _library_id(path: str | None) -> str | None:
+    """The kernel library this process loaded (TURBO_MOE_LIB_DIR may point at another build): path and content hash."""
+    if not path:
+        return None
+    return f"{path} sha256:{hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]}"
 
 
 def now() -> str:

@@ -4,23 +4,16 @@ runs past its time limit is a row saying why, and the next contender still runs.
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("maxtext_moe", ROOT / "benchmarks" / "maxtext_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["maxtext_moe"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script.load("maxtext_moe")
 
 
 def rows_of(out: Path) -> dict[str, dict]:

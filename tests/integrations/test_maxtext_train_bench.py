@@ -4,23 +4,15 @@ shape trains on both GEMM kernels and their losses agree."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("maxtext_train", ROOT / "benchmarks" / "maxtext_train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["maxtext_train"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script.load("maxtext_train")
 
 
 @pytest.mark.parametrize("args, option", [(["--gemms", "cublas"], "--gemms"), (["--steps", "3", "--skip", "5"], "--steps"),

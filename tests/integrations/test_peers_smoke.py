@@ -3,25 +3,17 @@ float32 reference, a contender that cannot run here is a row with its reason, an
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def peers():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks" / "peers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["peers"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script.load("peers")
 
 
 def test_smoke_rows_for_every_contender(peers, tmp_path):

@@ -22,6 +22,7 @@ def test_collect_fills_every_field():
     assert set(prov) == set(P.FIELDS)
     assert prov["device_kind"] == jax.devices()[0].device_kind and prov["device_count"] == jax.device_count()
     assert prov["jax_version"] == jax.__version__ and prov["grouped_gemm"] == "cpu"
+    assert "libturbo_moe_cpu" in prov["kernel_library"] and "sha256:" in prov["kernel_library"]
     assert prov["git_commit"] and prov["date"].endswith("+00:00")
 
 
