@@ -300,3 +300,30 @@ def exclusive_times(events: list[dict], key=lambda e: e["hlo_op"] or "?" + e["na
         if active[k] == 0:
             del active[k]
     return dict(times), union
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(s, e) for s, e in out]
+
+
+def collective_overlap(events: list[dict]) -> dict:
+    """µs of NCCL kernels (their union), of other kernels, and of the NCCL time during which another kernel ran
+    (on another stream): how much of the exchange the schedule actually hid. One device's events."""
+    nccl = _merged([(e["ts_us"], e["ts_us"] + e["dur_us"]) for e in events if "nccl" in e["name"].lower()])
+    other = _merged([(e["ts_us"], e["ts_us"] + e["dur_us"]) for e in events if "nccl" not in e["name"].lower()])
+    both, j = 0.0, 0
+    for start, end in nccl:
+        while j < len(other) and other[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(other) and other[k][0] < end:
+            both += min(end, other[k][1]) - max(start, other[k][0])
+            k += 1
+    return {"collective_us": sum(e - s for s, e in nccl), "compute_us": sum(e - s for s, e in other),
+            "collective_beside_compute_us": both}

@@ -230,6 +230,7 @@ def breakdown(run_dir: Path) -> dict:
             "span_ms": ((max(e["ts_us"] + e["dur_us"] for e in events) - min(e["ts_us"] for e in events))
                         / 1e3 / n_steps) if events else 0.0,
             "custom_calls": dict(custom_calls),
+            "collectives": {k: v / 1e3 / n_steps for k, v in tcat.collective_overlap(events).items()},
             "gaps_before": _gaps_before(events, lambda e: category_of.get(e["key"], "other"), n_steps)}
 
 
@@ -383,6 +384,10 @@ def analyze(args) -> dict:
     for d, ms in other:
         detail[d] += ms
     print("other/mtp detail (ms/step): " + ", ".join(f"{d} {ms:.3f}" for d, ms in detail.most_common(12)))
+    c = b["collectives"]
+    print(f"NCCL kernels: {c['collective_us']:.3f} ms/step, {c['collective_beside_compute_us']:.3f} ms of it beside "
+          f"another kernel ({c['collective_beside_compute_us'] / max(c['collective_us'], 1e-9):.0%}); other kernels "
+          f"{c['compute_us']:.3f} ms/step")
     print("gaps (ms/step) by the kernel category that ends them: "
           + ", ".join(f"{c} {ms:.3f}" for c, ms in list(b["gaps_before"].items())[:10]))
     print("top ops:")

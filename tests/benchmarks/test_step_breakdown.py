@@ -210,3 +210,14 @@ def test_breakdown_of_several_devices_reads_one(tmp_path):
     per = {(c, d): ms for c, _, d, ms in b["rows"]}
     assert per == {("attention", "attention"): pytest.approx(0.3), ("collective", "routed_experts"): pytest.approx(0.1)}
     assert b["busy_ms"] == pytest.approx(0.4)
+
+
+def test_collective_overlap_counts_nccl_time_beside_other_kernels():
+    events = [_ev("s7", 0, 10, "k1"), _ev("s7", 30, 10, "k2"),  # compute: 0..10, 30..40
+              _ev("s9", 5, 10, "c1"), _ev("s9", 12, 4, "c2"), _ev("s9", 35, 20, "c3")]  # nccl: 5..16, 35..55
+    for e in events:
+        e["name"] = ("ncclDevKernel_SendRecv" if e["hlo_op"].startswith("c") else "cutlass_gemm")
+    got = tcat.collective_overlap(events)
+    assert got["collective_us"] == pytest.approx(11 + 20)
+    assert got["compute_us"] == pytest.approx(20)
+    assert got["collective_beside_compute_us"] == pytest.approx(5 + 5)  # 5..10 and 35..40
