@@ -16,7 +16,10 @@ each forward ("fwd") and forward + backward ("fwd+bwd", the cotangent given; gra
   (the output gradient): "jnp" (XLA's gather, reduction and transpose) against "kernel" (ops.quantize_group_columns),
   and how many FP8 codes the two give differently on the GPU (XLA's GPU quantiser may differ by one code at ties)
   the whole expert block (permute -> gate/up -> SwiGLU -> down -> unpermute, fwd+bwd), `ops.expert_block` with the
-  GEMM sets "turbo" (bf16, fused SwiGLU kernels), "fp8" and "fp8" without its permute_forward (rows quantised by XLA).
+  GEMM sets "turbo" (bf16, fused SwiGLU kernels), "fp8" and "fp8" without its permute_forward (rows quantised by XLA);
+  and the block in a 2-layer jax.lax.scan (no remat; the forward and backward loops are separate computations, as in
+  training), "turbo", "fp8" (weights quantised once, kept for the backward) and "fp8_requantised" (the set without
+  prepared weights: the backward quantises every weight again; in one unscanned program XLA merges the two).
 TFLOP/s count 2*M*K*N per GEMM (3 GEMMs for fwd+bwd; the block: 6*M*D*F forward). Shapes: DeepSeek-V3 G=32 (T=8192,
 top-8, K=7168, N=2048; block D=7168, F=2048) and `reduced` (T=16384, top-6, G=64, K=1280, N=1024; block D=1280,
 F=512); balanced routing (equal group sizes, tokens' experts shuffled). Writes <out>/fp8_expert_path_<device>.csv and
@@ -153,6 +156,18 @@ def block_fwd_bwd(gemms):
     return run
 
 
+def block_scan_fwd_bwd(gemms):
+    """The block in a jax.lax.scan over stacked weights (L, G, ...): y of one layer is the next layer's tokens."""
+    def run(x, ids, combine_w, w_gate_up, w_down, dy):
+        def f(a, c, wg, wd):
+            def layer(tokens, w):
+                return ops.expert_block(tokens, ids, c, w[0], w[1], gemms=gemms)[0], None
+            return jax.lax.scan(layer, a, (wg, wd))[0]
+        out, vjp = jax.vjp(f, x, combine_w, w_gate_up, w_down)
+        return (out,) + vjp(dy)
+    return run
+
+
 def balanced_ids(case: Case) -> np.ndarray:
     sizes = routing_sizes("balanced", case.M, case.G)
     ids = np.repeat(np.arange(case.G, dtype=np.int32), sizes)
@@ -208,6 +223,16 @@ def run_case(timer, case: Case, args, rows, table):
         rows.append(measure(timer, block_fwd_bwd(gemms), (x, ids, combine_w, w_gate_up, w_down, dy), block_flops,
                             base | dict(unit="expert_block", impl=impl, op="fwd+bwd", F=case.F), reps))
         write(rows, table, args)
+    layers = 2
+    stacked = (jnp.stack([w_gate_up] * layers), jnp.stack([w_down] * layers))
+    del w_gate_up, w_down
+    scan_sets = {"turbo": "turbo", "fp8": "fp8",
+                 "fp8_requantised": dataclasses.replace(ops.GEMM_SETS["fp8"], prepare_weights=None)}
+    for impl, gemms in scan_sets.items():
+        rows.append(measure(timer, block_scan_fwd_bwd(gemms), (x, ids, combine_w, *stacked, dy), layers * block_flops,
+                            base | dict(unit="expert_block_scan2", impl=impl, op="fwd+bwd", F=case.F), reps))
+        write(rows, table, args)
+    del stacked
     done = [r for r in rows if r.get("case") == case.name]
     print(f"[{case.name}] " + "  ".join(f"{r['unit']}/{r['impl']}/{r['op']}={r.get('ms', r.get('same', r['status']))}"
                                         for r in done), flush=True)
@@ -237,8 +262,9 @@ def summarize(rows) -> list[str]:
     ok = {(r["case"], r["unit"], r["impl"], r["op"]): r for r in rows if r.get("status") == "ok" and "ms" in r}
     lines = ["ms (speed-up against bf16):"]
     for case in dict.fromkeys(r["case"] for r in rows):
-        for unit, op in (("permute_gemm", "fwd"), ("permute_gemm", "fwd+bwd"), ("expert_block", "fwd+bwd")):
-            base = ok.get((case, unit, "turbo" if unit == "expert_block" else "bf16", op))
+        for unit, op in (("permute_gemm", "fwd"), ("permute_gemm", "fwd+bwd"), ("expert_block", "fwd+bwd"),
+                         ("expert_block_scan2", "fwd+bwd")):
+            base = ok.get((case, unit, "turbo" if unit.startswith("expert_block") else "bf16", op))
             parts = []
             for (c, u, impl, o), r in ok.items():
                 if (c, u, o) == (case, unit, op):

@@ -1,7 +1,8 @@
 """quantize_group_columns' CUDA kernel (the FP8 weight gradient's 128x1 quantiser, transposed into the group-padded
 layout) bit for bit against the jnp reference computed on the CPU, for both FP8 formats, every input dtype, empty
-groups, skewed routing and rows past the groups; and grouped_gemm_fp8's weight gradient through the kernel bit for bit
-the product of the reference's operands. Skipped without a GPU."""
+groups, skewed routing, rows past the groups, widths off the 16-byte vector, more work units than the grid has blocks,
+no rows; and grouped_gemm_fp8's weight gradient through the kernel bit for bit the product of the reference's
+operands. Skipped without a GPU."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +22,15 @@ CPU = jax.devices("cpu")[0]
 
 CASES = {  # name: (M, C, group sizes)
     "dsv3_width_skewed": (700, 7168, [0] * 10 + [600] + [3] * 20 + [0]),  # 32 groups, one holding most rows
-    "odd_empty_groups": (517, 200, [130, 0, 1, 255, 0, 128, 3]),       # C not a multiple of 64, M of 8
+    "odd_empty_groups": (517, 200, [130, 0, 1, 255, 0, 128, 3]),       # one partial column step, M not of 8
     "sum_below_m": (1000, 1280, [300, 0, 129, 64]),                     # rows 493.. belong to no group
-    "many_column_blocks": (300, 64 * 40 + 5, [150, 150]),              # more column blocks than grid.y
+    "many_column_blocks": (300, 64 * 40 + 5, [150, 150]),              # odd width: element loads, 11 steps
     "one_column": (129, 1, [1, 128]),
+    # More work units (tile, column step) than the persistent grid has blocks: each block's contiguous range crosses
+    # tiles and groups; 1000 columns end in a partial step; ragged groups, an empty one, rows past the groups.
+    "many_units": (20000, 1000, [5000, 1, 0, 4477, 128, 9000, 1000]),
+    "width_4_mod_8": (300, 1028, [0, 129, 127, 44]),  # 16-byte vectors for float32, element loads for 2-byte dtypes
+    "all_groups_empty": (200, 72, [0, 0, 0]),         # every tile is padding: zeros, scale 1
 }
 
 
@@ -59,6 +65,13 @@ def test_kernel_matches_the_cpu_reference_bit_for_bit(case, dtype, fp8):
                                                                              jax.device_put(gs, CPU), fp8)
     np.testing.assert_array_equal(bits(scale), bits(scale_ref))
     np.testing.assert_array_equal(bits(q_t), bits(q_ref))
+
+
+def test_no_rows():
+    """M = 0 (the reference's gather cannot index an empty x): every tile is padding, zeros with scale 1."""
+    q_t, scale = jax.jit(ops.quantize_group_columns)(jnp.zeros((0, 40), jnp.bfloat16), jnp.asarray([0, 0], jnp.int32))
+    assert q_t.shape == (40, 256) and scale.shape == (2, 40)
+    assert not bits(q_t).any() and np.all(np.asarray(scale) == 1.0)
 
 
 @pytest.mark.parametrize("case", ["odd_empty_groups", "sum_below_m"])
