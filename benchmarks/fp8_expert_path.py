@@ -18,8 +18,7 @@ each forward ("fwd") and forward + backward ("fwd+bwd", the cotangent given; gra
   the whole expert block (permute -> gate/up -> SwiGLU -> down -> unpermute, fwd+bwd), `ops.expert_block` with the
   GEMM sets "turbo" (bf16, fused SwiGLU kernels), "fp8" and "fp8" without its permute_forward (rows quantised by XLA);
   and the block in a 2-layer jax.lax.scan (no remat; the forward and backward loops are separate computations, as in
-  training), "turbo", "fp8" (weights quantised once, kept for the backward) and "fp8_requantised" (the set without
-  prepared weights: the backward quantises every weight again; in one unscanned program XLA merges the two).
+  training), "turbo" and "fp8".
 TFLOP/s count 2*M*K*N per GEMM (3 GEMMs for fwd+bwd; the block: 6*M*D*F forward). Shapes: DeepSeek-V3 G=32 (T=8192,
 top-8, K=7168, N=2048; block D=7168, F=2048) and `reduced` (T=16384, top-6, G=64, K=1280, N=1024; block D=1280,
 F=512); balanced routing (equal group sizes, tokens' experts shuffled). Writes <out>/fp8_expert_path_<device>.csv and
@@ -226,9 +225,7 @@ def run_case(timer, case: Case, args, rows, table):
     layers = 2
     stacked = (jnp.stack([w_gate_up] * layers), jnp.stack([w_down] * layers))
     del w_gate_up, w_down
-    scan_sets = {"turbo": "turbo", "fp8": "fp8",
-                 "fp8_requantised": dataclasses.replace(ops.GEMM_SETS["fp8"], prepare_weights=None)}
-    for impl, gemms in scan_sets.items():
+    for impl, gemms in (("turbo", "turbo"), ("fp8", "fp8")):
         rows.append(measure(timer, block_scan_fwd_bwd(gemms), (x, ids, combine_w, *stacked, dy), layers * block_flops,
                             base | dict(unit="expert_block_scan2", impl=impl, op="fwd+bwd", F=case.F), reps))
         write(rows, table, args)

@@ -13,9 +13,7 @@ scan's residual stacks and the backward reads y once more. Here neither is kept:
     dW = (w * act)^T @ g  -- the same sums as <y, g>, (w g) @ W^T and act^T (w g), without y.
 What the backward reads from the forward: h (gate/up output), the routing's row index and group sizes (named for
 the remat policies, as `expert_ffn` names them), the tokens and the combine weights; act = SwiGLU(h) is computed
-again where the backward needs it (an elementwise pass over h instead of a saved copy). A set with prepared weights
-(`GemmSet.prepare_weights`; fp8: the 128x128-block FP8 weights) makes them once in the forward and its backward reads
-them from there, not made again: half the bf16 weights' bytes held until the backward (docs/notes/fp8.md).
+again where the backward needs it (an elementwise pass over h instead of a saved copy).
 
 With a set that has the fused gate/up + SwiGLU (`GemmSet.gate_up_swiglu`), the forward gets h and act from one call:
 h's only reader is then the layer scan's residual stack, which XLA writes in place (with SwiGLU as an XLA fusion
@@ -46,9 +44,6 @@ from turbo_moe.ops.varying import match_varying
 # policy "dots_experts_attention" saves them so that no path's expert GEMMs run again in the backward pass.
 EXPERT_SAVE_NAMES = ("moe_expert_rows", "moe_expert_gate_up", "moe_expert_down", "moe_expert_group_sizes",
                      "moe_expert_act")
-# The weights in a set's own format (`GemmSet.prepare_weights`, fp8: FP8 blocks), residuals of the block: named, not
-# in EXPERT_SAVE_NAMES, so a remat policy makes them again for the backward and only remat_policy="none" holds them.
-PREPARED_WEIGHTS_NAME = "moe_expert_prepared_weights"
 
 
 def saved(x: jax.Array, name: str) -> jax.Array:
@@ -163,20 +158,11 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
     return _block(tokens, ids, combine_w.astype(jnp.float32), w_gate_up, w_down, n_experts, gemms)
 
 
-def _prepare(w_gate_up, w_down, gemms):
-    """Both weights in the set's own format, made once for the forward and the backward, or None (the set has none,
-    or runs its fused gate/up + SwiGLU)."""
-    if gemms.prepare_weights is None or gemms.gate_up_swiglu is not None:
-        return None
-    return checkpoint_name((gemms.prepare_weights(w_gate_up), gemms.prepare_weights(w_down)), PREPARED_WEIGHTS_NAME)
-
-
-def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms, prepared):
+def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms):
     fused = gemms.gate_up_swiglu is not None
     zero_tail = not fused  # the fused kernels leave every buffer's rows past the groups unwritten
     if gemms.permute_forward is not None and not fused:  # the set's own permute (fp8: rows quantised in the copy)
-        h, group_sizes, row_index = gemms.permute_forward(tokens, expert_ids, n_experts, w_gate_up,
-                                                          prepared=None if prepared is None else prepared[0])
+        h, group_sizes, row_index = gemms.permute_forward(tokens, expert_ids, n_experts, w_gate_up)
         group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
         h = saved(h, EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
         with jax.named_scope("swiglu"):
@@ -185,19 +171,16 @@ def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms,
         with jax.named_scope("permute"):
             rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts, zero_tail)[:3]
         group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
-        h, act = _gate_up(rows, w_gate_up, group_sizes, gemms, None if prepared is None else prepared[0])
-    with jax.named_scope("grouped_gemm"):  # y_rows (T*k, D): not kept for the backward
-        if prepared is None:
-            y_rows = gemms.forward(act, w_down, group_sizes, zero_tail)
-        else:
-            y_rows = gemms.prepared_forward(act, prepared[1], group_sizes)
+        h, act = _gate_up(rows, w_gate_up, group_sizes, gemms)
+    with jax.named_scope("grouped_gemm"):
+        y_rows = gemms.forward(act, w_down, group_sizes, zero_tail)  # (T*k, D): not kept for the backward
     with jax.named_scope("unpermute"):
         y = unpermute_call(y_rows, row_index, combine_w)
     return y, group_sizes, (h, saved(row_index, ROW_INDEX_NAME))
 
 
-def _gate_up(rows, w_gate_up, group_sizes, gemms, prepared):
-    """h (T*k, 2F) and act = SwiGLU(h) (T*k, F) from the permuted rows (`prepared`: w_gate_up's, or None)."""
+def _gate_up(rows, w_gate_up, group_sizes, gemms):
+    """h (T*k, 2F) and act = SwiGLU(h) (T*k, F) from the permuted rows."""
     if gemms.gate_up_swiglu is not None:
         with jax.named_scope("grouped_gemm"):
             h, act = gemms.gate_up_swiglu(rows, w_gate_up, group_sizes)  # (T*k, 2F), (T*k, F)
@@ -205,31 +188,24 @@ def _gate_up(rows, w_gate_up, group_sizes, gemms, prepared):
         # dynamic-slice fusion then does in place, from inside the FFI call (no clone: act is the call's own output).
         return checkpoint_name(h, EXPERT_SAVE_NAMES[1]), act
     with jax.named_scope("grouped_gemm"):
-        if prepared is None:
-            h = gemms.forward(rows, w_gate_up, group_sizes)
-        else:
-            h = gemms.prepared_forward(rows, prepared, group_sizes)
-        h = saved(h, EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
+        h = saved(gemms.forward(rows, w_gate_up, group_sizes), EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
     with jax.named_scope("swiglu"):
         return h, swiglu(h)  # (T*k, F)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _block(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms):
-    prepared = _prepare(w_gate_up, w_down, gemms)
-    y, group_sizes, _ = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms, prepared)
+    y, group_sizes, _ = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms)
     return y, group_sizes
 
 
 def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms):
-    prepared = _prepare(w_gate_up, w_down, gemms)
-    y, group_sizes, (h, row_index) = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms,
-                                              prepared)
-    return (y, group_sizes), (tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index, prepared)
+    y, group_sizes, (h, row_index) = _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms)
+    return (y, group_sizes), (tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index)
 
 
 def _block_bwd(n_experts, gemms, residuals, cotangents):
-    tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index, prepared = residuals
+    tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
     d_y = cotangents[0]  # (T, D); group_sizes are integers
     fused = gemms.gate_up_swiglu is not None
     zero_tail = not fused
@@ -254,12 +230,9 @@ def _block_bwd(n_experts, gemms, residuals, cotangents):
         act = swiglu(h)  # not saved: XLA fuses it into the passes below that read it
         with jax.named_scope("unpermute"):
             act_w = (act.astype(jnp.float32) * w_rows).astype(act.dtype)
-        with jax.named_scope("grouped_gemm"):  # g @ W^T (it does not depend on act_w) and (w act)^T @ g
-            if prepared is None:
-                _, down_vjp = jax.vjp(lambda a, w: gemms.forward(a, w, group_sizes), act_w, w_down)
-                g_act, d_w_down = down_vjp(g_rows)
-            else:  # the forward's prepared weights: not made again
-                g_act, d_w_down = gemms.prepared_vjp(act_w, prepared[1], group_sizes, g_rows, w_down.dtype)
+        with jax.named_scope("grouped_gemm"):
+            _, down_vjp = jax.vjp(lambda a, w: gemms.forward(a, w, group_sizes), act_w, w_down)
+            g_act, d_w_down = down_vjp(g_rows)  # g @ W^T (it does not depend on act_w) and (w act)^T @ g
         with jax.named_scope("unpermute"):
             d_w_rows = jnp.sum(act.astype(jnp.float32) * g_act.astype(jnp.float32), axis=-1)  # <y, g> per row
         with jax.named_scope("swiglu"):
@@ -271,11 +244,8 @@ def _block_bwd(n_experts, gemms, residuals, cotangents):
     with jax.named_scope("permute"):
         rows = permute_rows_call(tokens, row_index, group_sizes, zero_tail)  # the forward's permuted rows
     with jax.named_scope("grouped_gemm"):
-        if prepared is None:
-            _, up_vjp = jax.vjp(lambda r, w: gemms.forward(r, w, group_sizes, zero_tail), rows, w_gate_up)
-            d_rows, d_w_gate_up = up_vjp(d_h)
-        else:
-            d_rows, d_w_gate_up = gemms.prepared_vjp(rows, prepared[0], group_sizes, d_h, w_gate_up.dtype)
+        _, up_vjp = jax.vjp(lambda r, w: gemms.forward(r, w, group_sizes, zero_tail), rows, w_gate_up)
+        d_rows, d_w_gate_up = up_vjp(d_h)
     with jax.named_scope("permute"):
         d_tokens = unpermute_call(d_rows, row_index, jnp.ones(row_index.shape, jnp.float32))
     return (match_varying(d_tokens, tokens), None, match_varying(d_combine, combine_w),

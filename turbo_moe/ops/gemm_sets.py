@@ -8,14 +8,9 @@ A set holds the forward GEMM, its data and weight gradients and, optionally, the
     weight_grad(lhs (M, K), d_out (M, N), group_sizes) -> (E, K, N): lhs[rows_g]^T @ d_out[rows_g]
     gate_up_swiglu(rows (M, K), w (E, K, 2F), group_sizes) -> (h (M, 2F), act = SwiGLU(h) (M, F)), or None;
         rows past the groups unwritten.
-    permute_forward(tokens (T, K), expert_ids int32 (T, k), E, w (E, K, N), prepared=None) -> (out (T*k, N),
-        group_sizes (E,), row_index (T, k)), or None: permute + forward for a set that reads its rows in its own
-        format, forward only (`expert_block` uses it; its backward rebuilds the bf16 rows); `prepared`: w's
-        prepare_weights, when the caller made it.
-    prepare_weights(w) -> prepared, or None: the weights in the set's own format, made once by `expert_block`'s
-        forward and kept for its backward (fp8: the 128x128-block FP8 values and scales); the set then has
-        prepared_forward(rows (M, K), prepared, group_sizes) -> (M, N) in rows' dtype, forward only, and
-        prepared_vjp(rows, prepared, group_sizes, d_out (M, N), w_dtype) -> (d_rows, d_w): forward's values and VJP.
+    permute_forward(tokens (T, K), expert_ids int32 (T, k), E, w (E, K, N)) -> (out (T*k, N), group_sizes (E,),
+        row_index (T, k)), or None: permute + forward for a set that reads its rows in its own format, forward only
+        (`expert_block` uses it; its backward rebuilds the bf16 rows).
 `ops.expert_block` and `ops.expert_ffn` take a set (or its name in GEMM_SETS); adding a GEMM is adding one set.
 
 - `turbo`: `grouped_gemm` (our FFI kernels; CPU and CUDA), with `grouped_gemm_swiglu` fused.
@@ -24,8 +19,8 @@ A set holds the forward GEMM, its data and weight gradients and, optionally, the
 - `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None (dense_cf).
 - `fp8`: `grouped_gemm_fp8` (E4M3 with DeepSeek-V3's 1x128 / 128x128 scales; the CUTLASS kernel on Hopper, exact
   emulation elsewhere), gradients in FP8 through its VJP; K and N multiples of 128. Its permute_forward quantises the
-  rows in the permute's copy (`permute_fp8`); the down GEMM's input (SwiGLU's output) is quantised by XLA; its
-  prepared weights are the 128x128-block FP8 weights, quantised once per `expert_block` forward (docs/notes/fp8.md).
+  rows in the permute's copy (`permute_fp8`); the down GEMM's input (SwiGLU's output) is quantised by XLA
+  (docs/notes/fp8.md).
 """
 from __future__ import annotations
 
@@ -36,14 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
-from turbo_moe.ops.grouped_gemm_fp8 import (
-    grouped_gemm_fp8,
-    grouped_gemm_fp8_quantized,
-    product_on_blocks,
-    quantize_blocks,
-    quantize_rows,
-    vjp_on_blocks,
-)
+from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8, grouped_gemm_fp8_quantized
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops import pallas_gemm
 from turbo_moe.ops.permute_fp8 import permute_fp8_call
@@ -61,9 +49,6 @@ class GemmSet:
     # Why the default devices cannot run the set, or None: checked at trace time (`unavailable`).
     device_problem: Callable[[], "str | None"] = lambda: None
     permute_forward: Callable | None = None
-    prepare_weights: Callable | None = None
-    prepared_forward: Callable | None = None
-    prepared_vjp: Callable | None = None
 
     def without_fused_swiglu(self) -> "GemmSet":
         """The same GEMMs with SwiGLU left to XLA (`ModelConfig`'s CPU default: its fusion is faster there)."""
@@ -125,22 +110,11 @@ def _fp8_forward(rows, w, group_sizes, zero_tail=True):
     return grouped_gemm_fp8(rows, w, group_sizes)  # (M, K) x (E, K, N) -> (M, N), FP8 products, float32 sums
 
 
-def _fp8_permute_forward(tokens, expert_ids, n_experts, w, prepared=None):
+def _fp8_permute_forward(tokens, expert_ids, n_experts, w):
     with jax.named_scope("permute"):  # the rows are written once, in FP8 with their scales: never in bf16
         q, scale, group_sizes, row_index = permute_fp8_call(tokens, expert_ids, n_experts)
     with jax.named_scope("grouped_gemm"):
-        if prepared is None:
-            return grouped_gemm_fp8_quantized(q, scale, w, group_sizes), group_sizes, row_index
-        return product_on_blocks(q, scale, prepared, group_sizes, out_dtype=w.dtype), group_sizes, row_index
-
-
-def _fp8_prepared_forward(rows, weights, group_sizes):
-    lq, ls = quantize_rows(rows)
-    return product_on_blocks(lq, ls, weights, group_sizes, out_dtype=rows.dtype)
-
-
-def _fp8_prepared_vjp(rows, weights, group_sizes, d_out, w_dtype):
-    return vjp_on_blocks(rows, weights, group_sizes, d_out, w_dtype)
+        return grouped_gemm_fp8_quantized(q, scale, w, group_sizes), group_sizes, row_index
 
 
 def _set(name, forward, **kw) -> GemmSet:
@@ -154,8 +128,7 @@ GEMM_SETS: dict[str, GemmSet] = {s.name: s for s in (
     _set("ragged_dot", _ragged_dot_forward),
     _set("pallas", _pallas_forward, device_problem=_pallas_problem),
     _set("einsum", _einsum_forward),
-    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward, prepare_weights=quantize_blocks,
-         prepared_forward=_fp8_prepared_forward, prepared_vjp=_fp8_prepared_vjp),
+    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward),
 )}
 
 

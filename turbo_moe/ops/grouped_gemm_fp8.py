@@ -25,8 +25,7 @@ CUDA kernel takes E4M3 only).
 
 `grouped_gemm_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes)` takes rows already quantised per 1x128 tile (by
 `permute_fp8`, in the permute's row copy). Both ops quantise the weights once per call: the forward's blocks, saved,
-are the data gradient's too. `product_on_blocks` and `vjp_on_blocks` are the op's forward and VJP on blocks quantised
-beforehand (`quantize_blocks`): `expert_block` quantises each weight once for its forward and backward.
+are the data gradient's too.
 
 Differences from `grouped_gemm`: K and N must be multiples of 128; no vmap, `group_offset` or `transpose_rhs`; the
 CUDA kernel writes bfloat16, so a float32 result on the GPU carries bfloat16 rounding (the emulated path's float32
@@ -193,26 +192,6 @@ def weight_grad_product(lhs_t, lhs_t_scale, d_out_t, d_out_t_scale, group_sizes,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The op's forward and VJP on weights quantised beforehand, weights = quantize_blocks(rhs): `expert_block` quantises
-# each expert weight once in its forward and keeps the blocks for its backward (gemm_sets' fp8 set)
-
-def product_on_blocks(lhs_q, lhs_scale, weights, group_sizes, *, out_dtype, impl: str = "auto"):
-    """Rows quantised per 1x128 tile (quantize_rows or permute_fp8) x weights = (wq (G, K, N), ws) quantised per
-    128x128 block -> (M, N) out_dtype: the forward of grouped_gemm_fp8 and grouped_gemm_fp8_quantized bit for bit.
-    The kernel reads the blocks K-contiguous, (G, N, K): the same values transposed (a block's scale does not depend
-    on the orientation)."""
-    wq, ws = weights
-    return rows_product(lhs_q, lhs_scale, jnp.swapaxes(wq, 1, 2), ws, group_sizes, out_dtype=out_dtype, impl=impl)
-
-
-def vjp_on_blocks(lhs, weights, group_sizes, d_out, rhs_dtype, *, grad_dtype=E4M3, impl: str = "auto"):
-    """grouped_gemm_fp8(lhs, rhs, group_sizes)'s VJP (d_lhs, d_rhs) for the cotangent d_out (M, N), from weights =
-    quantize_blocks(rhs) made beforehand: its custom VJP's values bit for bit, without quantising rhs again."""
-    return _weight_and_data_grads(lhs, weights, group_sizes, d_out, jnp.dtype(rhs_dtype), grad_dtype, impl,
-                                  lhs.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # The op
 
 def _check_rhs(k: int, lhs_name: str, lhs_shape, rhs, group_sizes) -> None:
@@ -282,12 +261,14 @@ def _fp8_gemm_fwd(lhs, rhs, group_sizes, out_dtype, grad_dtype, impl):
 
 
 def _quantized_weights_product(lq, ls, rhs, group_sizes, out_dtype, impl):
-    """rows (lq, ls) x rhs quantised per 128x128 block -> (out, (wq (G, K, N), ws))."""
-    weights = quantize_blocks(rhs)
-    return product_on_blocks(lq, ls, weights, group_sizes, out_dtype=out_dtype, impl=impl), weights
+    """rows (lq, ls) x rhs quantised per 128x128 block -> (out, (wq (G, K, N), ws)); the forward kernel reads the
+    blocks K-contiguous, (G, N, K): the same values transposed (a 128x128 block's scale is transpose-invariant)."""
+    wq, ws = quantize_blocks(rhs)
+    out = rows_product(lq, ls, jnp.swapaxes(wq, 1, 2), ws, group_sizes, out_dtype=out_dtype, impl=impl)
+    return out, (wq, ws)
 
 
-def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_dtype, grad_dtype, impl, lhs_dtype):
+def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, lhs_dtype):
     """(d_lhs or None, d_rhs) from the forward's quantised weights; lhs (M, K) the rows the weight gradient
     quantises per 128x1 tile."""
     wq, ws = weights
@@ -300,14 +281,13 @@ def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_dtype, grad_dty
     # every platform, the emulated path too: its CPU handler is bit-identical to the jnp quantiser).
     lq_t, ls_t = quantize_group_columns(lhs, group_sizes)
     dq_t, ds_t = quantize_group_columns(d_out, group_sizes, grad_dtype)
-    d_rhs = weight_grad_product(lq_t, ls_t, dq_t, ds_t, group_sizes, m, out_dtype=rhs_dtype, impl=impl)
+    d_rhs = weight_grad_product(lq_t, ls_t, dq_t, ds_t, group_sizes, m, out_dtype=rhs_type.dtype, impl=impl)
     return d_lhs, d_rhs
 
 
 def _fp8_gemm_bwd(out_dtype, grad_dtype, impl, res, d_out):
     lhs, weights, group_sizes, rhs_type = res
-    d_lhs, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type.dtype, grad_dtype, impl,
-                                          lhs.dtype)
+    d_lhs, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, lhs.dtype)
     return d_lhs, d_rhs, None
 
 
@@ -363,7 +343,7 @@ def _fp8_gemm_quantized_fwd(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, grad_
 def _fp8_gemm_quantized_bwd(out_dtype, grad_dtype, impl, res, d_out):
     lhs_q, lhs_scale, weights, group_sizes, rhs_type = res
     lhs = dequantize_rows(*_materialized(lhs_q, lhs_scale))  # (M, K) float32: the values the forward multiplied
-    _, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type.dtype, grad_dtype, impl, None)
+    _, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, None)
     return None, None, d_rhs, None
 
 
