@@ -75,12 +75,11 @@ def _scale_of(amax, fmax: float):
 
 
 def _quantize_tiles(t, axis: int, dtype):
-    """t with 128-wide tiles along `axis` -> (q, float32 scale with `axis` reduced). The amax is taken in t's own
-    dtype (exact) and t reaches float32 only inside the quantising product, so XLA has no float32 copy of t to keep."""
+    """t float32 with 128-wide tiles along `axis` -> (q, scale with `axis` reduced)."""
     fmax = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(t), axis=axis).astype(F32)
+    amax = jnp.max(jnp.abs(t), axis=axis)
     scale = _scale_of(amax, fmax)
-    q = jnp.clip(t.astype(F32) * jnp.expand_dims(1.0 / scale, axis), -fmax, fmax).astype(dtype)
+    q = jnp.clip(t * jnp.expand_dims(1.0 / scale, axis), -fmax, fmax).astype(dtype)
     return q, scale
 
 
@@ -88,7 +87,7 @@ def quantize_rows(x, dtype=E4M3):
     """Activations per 1x128 tile: x (M, K), K % 128 == 0 -> q (M, K) fp8, scale (M, K/128) float32."""
     dtype = _fp8_dtype("dtype", dtype)
     m, k = x.shape
-    q, scale = _quantize_tiles(x.reshape(m, k // BLOCK, BLOCK), 2, dtype)
+    q, scale = _quantize_tiles(x.astype(F32).reshape(m, k // BLOCK, BLOCK), 2, dtype)
     return q.reshape(m, k), scale
 
 
@@ -97,12 +96,11 @@ def quantize_blocks(w, dtype=E4M3, *, transpose: bool = False):
     forward kernel's K-contiguous layout; the values are the same), scale (G, K/128, N/128) float32."""
     dtype = _fp8_dtype("dtype", dtype)
     g, k, n = w.shape
-    t = w.reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
+    t = w.astype(F32).reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
     fmax = float(jnp.finfo(dtype).max)
-    # (G, K/128, N/128); in w's dtype (exact), the contiguous axis first: no float32 or transposed copy of w
-    amax = jnp.max(jnp.max(jnp.abs(t), axis=4), axis=2).astype(F32)
+    amax = jnp.max(jnp.abs(t), axis=(2, 4))  # (G, K/128, N/128)
     scale = _scale_of(amax, fmax)
-    q = jnp.clip(t.astype(F32) * (1.0 / scale)[:, :, None, :, None], -fmax, fmax).astype(dtype).reshape(g, k, n)
+    q = jnp.clip(t * (1.0 / scale)[:, :, None, :, None], -fmax, fmax).astype(dtype).reshape(g, k, n)
     return (jnp.swapaxes(q, 1, 2) if transpose else q), scale
 
 
