@@ -4,7 +4,7 @@
 the tokens: the row copy quantises each 128-wide tile as it writes it (kernels/cpu/permute_fp8.cc,
 kernels/cuda/permute_fp8.cu), so no separate pass reads the permuted activations again. The rows and scales are
 bit-identical to `quantize_rows(permute(x, ...)[0])` and in the layout `grouped_gemm_fp8_quantized` (the FP8 kernel's
-lhs) takes. The sort is permute's own kernel, called on a zero-width copy of x (it then copies no bytes).
+lhs) takes. The sort is permute's own kernel, called on a one-column stand-in for x (it copies 2 bytes a row).
 
 Forward only (FP8 rows have no useful gradient): a backward pass that needs the rows rebuilds them in bfloat16 with
 `permute_rows` (as `ops.expert_block` does).
@@ -56,7 +56,9 @@ def permute_fp8(x, expert_ids, num_experts: int):
 def permute_fp8_call(x, expert_ids, num_experts: int, zero_tail: bool = True):
     """(T, H), int32 (T, k) ids in range or dropped -> q (T*k, H), scale (T*k, H/128), group_sizes (E,), row_index
     (T, k). zero_tail=False: rows past sum(group_sizes) may stay unwritten (NaN on the CPU), see `grouped_gemm`."""
-    sort_only = jnp.zeros(x.shape[:-1] + (0,), x.dtype)  # permute's sort without its bf16 row copy
+    # permute's sort with a one-column row copy instead of x's: a zero-width array here (the first form) crashed
+    # XLA:GPU's compiler under shard_map (expert parallelism); one column costs 2 bytes a routed row.
+    sort_only = jnp.zeros(x.shape[:-1] + (1,), x.dtype)
     _, group_sizes, row_index = _permute_call(sort_only, expert_ids, num_experts)
     q, scale = permute_rows_fp8_call(x, row_index, group_sizes, zero_tail)
     return q, scale, group_sizes, row_index
