@@ -25,16 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _records import write_table_and_record  # noqa: E402
-from hlo_schedule import parse, windows  # noqa: E402
+from _records import median_ms, write_table_and_record
+from hlo_schedule import parse, windows
 
 FLAG_SETS = {
     "default": "",
@@ -117,28 +115,17 @@ def programs(case: str, mesh, flag_set: str) -> dict:
     return {k: jax.jit(shard(f)) for k, f in (("comm", comm), ("compute", compute), ("both", both))}
 
 
-def wall_ms(fn, args, reps: int) -> float:
-    import jax
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def child(flag_set: str, cases: list[str], small: bool, reps: int) -> None:
     """Run every case under this process's XLA flags; one JSON line a case on stdout."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
     n = mesh.size
     rows_a, width, rows_b = (n * 64, 128, n * 64) if small else (n * 16384, 8192, n * 4096)
     key_a, key_b, key_w = jax.random.split(jax.random.key(0), 3)
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
     a = put(jax.random.normal(key_a, (rows_a, width), jnp.bfloat16), P("x"))
     b = put(jax.random.normal(key_b, (rows_b, width), jnp.bfloat16), P("x"))
     w = put(jax.random.normal(key_w, (width, width), jnp.bfloat16), P())
@@ -152,11 +139,13 @@ def child(flag_set: str, cases: list[str], small: bool, reps: int) -> None:
                        synchronous=sum(e["sync"] for e in found),
                        inside=";".join(sorted({k for e in found for k, _ in e["inside"]}))[:300])
             for name in ("comm", "compute", "both"):
-                row[f"{name}_ms"] = round(wall_ms(fns[name], (a, b, w), reps), 4)
+                for _ in range(3):  # compile and warm up
+                    jax.block_until_ready(fns[name](a, b, w))
+                row[f"{name}_ms"] = round(median_ms(fns[name], a, b, w, reps=reps), 4)
             t_c, t_m, t_b = row["comm_ms"], row["compute_ms"], row["both_ms"]
             row["overlap"] = round((t_c + t_m - t_b) / max(min(t_c, t_m), 1e-9), 3)
             row["status"] = "ok"
-        except Exception as e:  # a case XLA refuses is data
+        except Exception as e:  # noqa: BLE001 (a case XLA refuses is data)
             row.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         print("PROBE_ROW " + json.dumps(row), flush=True)
 
@@ -189,7 +178,7 @@ def main() -> None:
         env = dict(os.environ, XLA_FLAGS=" ".join(x for x in (os.environ.get("XLA_FLAGS", ""), FLAG_SETS[flag_set]) if x))
         cmd = [sys.executable, __file__, "--child", flag_set, "--cases", ",".join(cases), "--reps", str(args.reps)]
         try:
-            proc = subprocess.run(cmd + (["--small"] if args.small else []), env=env, capture_output=True, text=True,
+            proc = subprocess.run(cmd + (["--small"] if args.small else []), env=env, capture_output=True, text=True, check=False,
                                   timeout=args.timeout_s)
             got = [json.loads(line[len("PROBE_ROW "):]) for line in proc.stdout.splitlines()
                    if line.startswith("PROBE_ROW ")]
