@@ -3,7 +3,11 @@
 Contenders (one row each per shape; a contender that fails or does not import is a row with its status):
   maxtext_dense_cf1.25   RoutedMoE, sparse_matmul=False, capacity_factor=1.25 (MaxText's capacity path)
   maxtext_sparse         RoutedMoE, sparse_matmul=True, megablox=False: jax.lax.ragged_dot (MaxText's GPU configs)
-  maxtext_sparse_turbo   the same with turbo_moe.integrations.maxtext.enable(): its GEMMs on turbo
+  maxtext_sparse_turbo   the same with turbo_moe.integrations.maxtext.enable(): its GEMMs on turbo and, at --ep N > 1,
+                         its whole routed body on turbo's dispatch -> experts -> combine (column turbo_body:
+                         "ep_exchange"; "gemms_only" where only the GEMMs were swapped, with the reason in turbo_stats)
+  maxtext_sparse_turbo_split   the same with enable(ep_weights="split"): at --ep N > 1 the EP body runs MaxText's wi_0 /
+                         wi_1 as two grouped GEMMs instead of concatenating them into turbo's fused gate/up each step
   turbo_moe_layer        turbo_moe.model.moe_layer.MoELayer (moe_path="turbo", no shared expert: RoutedMoE has none)
 One step = value_and_grad of sum(layer(x) * probe) in the parameters and x, jitted; tokens/s = tokens per step /
 median step time (the TGS of a one-layer model), and the step's device memory from the compiled memory analysis
@@ -13,9 +17,10 @@ need 90 GB). Each row is appended to <out>.csv / .json as it finishes. Each cont
 (--isolate, the default; --point-timeout-s): one that hangs or crashes is a 'timeout' / 'failed' row, not the end.
 
 --ep N: expert parallelism over the first N devices, the batch above per device. MaxText: ici_expert_parallelism=N,
-its default exchange (ragged_all_to_all; the GEMMs inside its shard_map on turbo for maxtext_sparse_turbo; the
-dense_cf path its own); turbo_moe_layer: a ("data", "expert") = (1, N) mesh, its default exchange (deepep), the
-parameters placed by turbo_moe's sharding rule. tokens_per_s is per device (the TGS of the one-layer model).
+its default exchange (ragged_all_to_all; for maxtext_sparse_turbo* turbo's EP body replaces that exchange and the
+GEMMs, MaxText's routing kept; the dense_cf path its own); turbo_moe_layer: a ("data", "expert") = (1, N) mesh, its
+default exchange (deepep), the parameters placed by turbo_moe's sharding rule. tokens_per_s is per device (the TGS
+of the one-layer model).
 
     PYTHONPATH=$PWD python benchmarks/maxtext_moe.py --out $OUT/maxtext_moe           # GPU, maxtext installed
     PYTHONPATH=$PWD python benchmarks/maxtext_moe.py --smoke --out /tmp/maxtext_moe   # CPU check
@@ -44,9 +49,11 @@ from turbo_moe.provenance import collect as collect_provenance
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import Recorder, error_text  # noqa: E402 (one writer of rows for both benchmarks)
 
-CONTENDERS = ("maxtext_dense_cf1.25", "maxtext_sparse", "maxtext_sparse_turbo", "turbo_moe_layer")
+CONTENDERS = ("maxtext_dense_cf1.25", "maxtext_sparse", "maxtext_sparse_turbo", "maxtext_sparse_turbo_split",
+              "turbo_moe_layer")
 FIELDS = [*TABLE_COLUMNS, "shape", "ep", "contender", "tokens", "E", "top_k", "d_model", "d_ff", "dtype", "weight_dtype",
-          "status", "step_ms", "tokens_per_s", "step_mib", "temp_mib", "turbo_calls", "error"]
+          "status", "step_ms", "tokens_per_s", "step_mib", "temp_mib", "turbo_calls", "turbo_body", "turbo_stats",
+          "error"]
 
 
 @dataclass(frozen=True)
@@ -156,20 +163,23 @@ def run_one(shape: Shape, contender: str, args) -> dict:
         keys = dict(sparse_matmul=False, capacity_factor=1.25) if contender == "maxtext_dense_cf1.25" else \
             dict(sparse_matmul=True, megablox=False, use_tokamax_gmm=False, capacity_factor=-1.0)
         layer, mesh, rules = maxtext_layer(shape, args.dtype, args.ep, **keys)
-        use_turbo = contender == "maxtext_sparse_turbo"
+        use_turbo = contender.startswith("maxtext_sparse_turbo")
         turbo_maxtext.reset_stats()
         with jax.set_mesh(mesh), nn_partitioning.axis_rules(rules):
             if use_turbo:
-                turbo_maxtext.enable()
+                turbo_maxtext.enable(ep_weights="split" if contender.endswith("_split") else "fused")
             try:
                 step, params, rest = step_fn(layer)
                 ms, total, temp = time_step(step, (params, x, rest, probe), args.warmup, args.reps)
             finally:
                 turbo_maxtext.disable()
         if use_turbo:
-            row["turbo_calls"] = sum(v for k, v in turbo_maxtext.stats().items() if k.startswith("turbo"))
+            stats = turbo_maxtext.stats()
+            row["turbo_calls"] = sum(v for k, v in stats.items() if k.startswith("turbo"))
             if not row["turbo_calls"]:
-                raise RuntimeError(f"enable() routed no GEMM to turbo: {turbo_maxtext.stats()}")
+                raise RuntimeError(f"enable() routed no GEMM to turbo: {stats}")
+            row["turbo_body"] = "ep_exchange" if stats.get("turbo_ep:sparse_matmul") else "gemms_only"
+            row["turbo_stats"] = ";".join(f"{k}={v}" for k, v in sorted(stats.items()))
     tokens = shape.batch * shape.seq  # per device
     return row | dict(status="ok", step_ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3),
                       step_mib=round(total, 1), temp_mib=round(temp, 1))
@@ -268,7 +278,8 @@ def main(argv=None):
             rec.add(row | result)
     for r in rec.rows:
         print(f"{r['shape']:12s} {r['contender']:22s} {r['status']:8s} {r.get('step_ms', ''):>9} ms "
-              f"{r.get('tokens_per_s', ''):>10} tok/s {r.get('step_mib', ''):>9} MiB {r.get('error', '')}")
+              f"{r.get('tokens_per_s', ''):>10} tok/s {r.get('step_mib', ''):>9} MiB {r.get('turbo_body', '')} "
+              f"{r.get('error', '')}")
     ok = {(r["shape"], r["contender"]): r for r in rec.rows if r["status"] == "ok"}
     for name in shape_names:
         a, b = ok.get((name, "maxtext_sparse_turbo")), ok.get((name, "maxtext_sparse"))

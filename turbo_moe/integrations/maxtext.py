@@ -1,4 +1,5 @@
-"""MaxText's MoE layer with its expert GEMMs on `turbo_moe.ops.grouped_gemm`.
+"""MaxText's MoE layer with its expert GEMMs on `turbo_moe.ops.grouped_gemm` and, under expert parallelism, its
+exchange on `moe_dispatch` / `moe_combine`.
 
     import turbo_moe.integrations.maxtext as turbo_maxtext
     turbo_maxtext.enable()            # every MaxText RoutedMoE traced from now on; or, scoped:
@@ -18,12 +19,16 @@ QTensor, qwix QArray, megablox's quantize dtypes or qwix rule), megablox's fused
 
 The switch acts when JAX traces the layer: a function jitted before `enable()` keeps the kernel it was compiled with.
 
-Expert parallelism: inside MaxText's shard_map the GEMMs run on turbo as above. Its `ragged_all_to_all` exchange is
-NOT replaced by turbo's moe_dispatch/moe_combine: MaxText exchanges rows it has already sorted by global expert, with
-offsets it computes in nested closures of `sparse_matmul` (`ra2a_and_route`, `unsort_output_and_ra2a`), while
-moe_dispatch takes the unsorted tokens with their top-k ids and weights and moe_combine also applies the weights and
-sums the k copies. The two meet only if the whole routed body (permute -> exchange -> local permute -> GEMMs ->
-unsort -> exchange -> unpermute) is replaced, i.e. a second implementation of `sparse_matmul`'s shard_map body.
+Expert parallelism (`ici_expert_parallelism > 1`): while enabled, `RoutedMoE.sparse_matmul` itself is replaced
+too. Its whole routed body (MaxText's sort -> `ragged_all_to_all` -> local permute -> GEMMs -> unsort ->
+`ragged_all_to_all` -> unpermute) runs on turbo (`turbo_moe.integrations.maxtext_ep`): MaxText's routing on its
+logits (get_topk, its load-balance loss and bias update, with MaxText's own helpers), then turbo's `moe_dispatch` ->
+each rank's experts (grouped GEMMs + SwiGLU) -> `moe_combine` in one shard_map over the `expert` axis; same
+`(output, lb_loss, bias_updates)`. What that body cannot do exactly (tensor parallelism, quantization,
+ring-of-experts, a ragged buffer factor or dropless fallback, expert biases, other activations, hash/random/forced
+routing, a mesh that does not split the batch over the expert axis and every other axis of more than one device,
+...) runs MaxText's own body with the GEMM swap above, counted as 'fallback_ep:<reason>' in `stats()`; the EP body
+counts 'turbo_ep:sparse_matmul'.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import types
 import jax
 import jax.numpy as jnp
 
+from turbo_moe.integrations import maxtext_ep
 from turbo_moe.ops.grouped_gemm import grouped_gemm as _turbo_grouped_gemm
 from turbo_moe.ops.grouped_gemm import kernel_dtypes
 
@@ -43,6 +49,8 @@ MOE_MODULE = "maxtext.layers.moe"
 _PATCHED_NAMES = ("jax", "mblx", "tokamax")
 
 _saved: dict[str, object] = {}  # name -> the module object maxtext.layers.moe held before enable()
+_saved_method: dict[str, object] = {}  # "sparse_matmul" -> RoutedMoE's own method before enable()
+_ep_options: dict[str, str] = {}  # enable()'s options for the EP body (maxtext_ep.sparse_matmul keywords)
 _counts: collections.Counter = collections.Counter()
 
 
@@ -125,9 +133,32 @@ def _make_tokamax_ragged_dot(original):
     return ragged_dot
 
 
-def enable() -> None:
-    """Route MaxText's MoE expert GEMMs through turbo_moe until `disable()`. Idempotent. Raises ImportError
-    (naming the module) where maxtext is not installed."""
+def _make_sparse_matmul(original):
+    """RoutedMoE.sparse_matmul: under expert parallelism the turbo EP body where it computes the same thing."""
+    def sparse_matmul(self, inputs, gate_logits, pre_bias_logits, w0_kernel, w1_kernel, wo_kernel, w0_bias, w1_bias,
+                      wo_bias, input_ids=None, forced_routed_experts=None):
+        args = (inputs, gate_logits, pre_bias_logits, w0_kernel, w1_kernel, wo_kernel, w0_bias, w1_bias, wo_bias)
+        if self.get_expert_parallelism_size() > 1:
+            reason = maxtext_ep.unsupported(self, inputs, w0_kernel, w1_kernel, wo_kernel, w0_bias, w1_bias, wo_bias,
+                                            input_ids, forced_routed_experts)
+            if reason is None:
+                _counts["turbo_ep:sparse_matmul"] += 1
+                return maxtext_ep.sparse_matmul(self, inputs, gate_logits, pre_bias_logits, w0_kernel, w1_kernel,
+                                                wo_kernel, **_ep_options)
+            _counts[f"fallback_ep:{reason}"] += 1
+        return original(self, *args, input_ids=input_ids, forced_routed_experts=forced_routed_experts)
+    sparse_matmul.__wrapped__ = original
+    return sparse_matmul
+
+
+def enable(ep_weights: str = "fused") -> None:
+    """Route MaxText's MoE expert GEMMs (and, under expert parallelism, its exchange) through turbo_moe until
+    `disable()`. Idempotent (a second call keeps the first's options). Raises ImportError (naming the module) where
+    maxtext is not installed. ep_weights: how the EP body takes MaxText's wi_0 / wi_1, "fused" (concatenated into
+    turbo's (E, D, 2F) gate/up each step: turbo's expert block and fused SwiGLU) or "split" (three grouped GEMMs,
+    no weight copy); see `turbo_moe.integrations.maxtext_ep`."""
+    if ep_weights not in maxtext_ep.EP_WEIGHTS:
+        raise ValueError(f"ep_weights: expected one of {maxtext_ep.EP_WEIGHTS}, got {ep_weights!r}")
     if _saved:
         return
     moe = importlib.import_module(MOE_MODULE)
@@ -145,6 +176,9 @@ def enable() -> None:
     _saved.update(originals)
     for name, overlay in overlays.items():
         setattr(moe, name, overlay)
+    _ep_options["ep_weights"] = ep_weights
+    _saved_method["sparse_matmul"] = moe.RoutedMoE.__dict__["sparse_matmul"]
+    moe.RoutedMoE.sparse_matmul = _make_sparse_matmul(_saved_method["sparse_matmul"])
 
 
 def disable() -> None:
@@ -155,6 +189,9 @@ def disable() -> None:
     for name, original in _saved.items():
         setattr(moe, name, original)
     _saved.clear()
+    if "sparse_matmul" in _saved_method:
+        moe.RoutedMoE.sparse_matmul = _saved_method.pop("sparse_matmul")
+    _ep_options.clear()
 
 
 def is_enabled() -> bool:
@@ -162,10 +199,11 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def grouped_gemm():
-    """`enable()` for the duration of the block (trace/jit the layer inside it); restores the previous state."""
+def grouped_gemm(ep_weights: str = "fused"):
+    """`enable(ep_weights)` for the duration of the block (trace/jit the layer inside it); restores the previous
+    state."""
     was_enabled = is_enabled()
-    enable()
+    enable(ep_weights)
     try:
         yield
     finally:
@@ -175,7 +213,8 @@ def grouped_gemm():
 
 def stats() -> dict[str, int]:
     """Calls seen while tracing since the last `reset_stats()`: 'turbo:<entry>' ran on turbo, 'fallback:<entry>'
-    went to MaxText's own kernel (entry: ragged_dot, megablox_gmm or tokamax_ragged_dot)."""
+    went to MaxText's own kernel (entry: ragged_dot, megablox_gmm or tokamax_ragged_dot); under expert parallelism
+    'turbo_ep:sparse_matmul' ran the turbo EP body, 'fallback_ep:<reason>' MaxText's own (its GEMMs on turbo)."""
     return dict(_counts)
 
 
