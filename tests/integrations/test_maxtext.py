@@ -43,7 +43,10 @@ def layer_and_grads(cfg, n_devices: int):
     """(output, d_inputs, d_params) of sum(RoutedMoE(x) * probe), jitted inside the mesh and axis rules."""
     devices = np.asarray(jax.devices()[:n_devices])
     mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg, devices=devices), cfg.mesh_axes)
-    with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    # MaxText calls jax.lax.ragged_dot without a precision: XLA:GPU multiplies float32 in TF32 there, turbo
+    # exactly. "highest" makes the reference float32 too (no-op on the CPU).
+    with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules), \
+            jax.default_matmul_precision("highest"):
         layer = moe.RoutedMoE(config=cfg, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                               mesh=mesh, kernel_init=nd_dense_init(1.0, "fan_in", "truncated_normal"),
                               kernel_axes=("embed", None), rngs=nnx.Rngs(0), intermediate_dim=cfg.moe_mlp_dim,
