@@ -26,8 +26,8 @@ LOGITS_DTYPES = ("float32", "bfloat16")
 # Fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a removed
 # field set to the kept behaviour (old records and specs), and refuses any other value with the reason.
 REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
-    "ep_micro_batches": (1, "two micro-batches per MoE layer ran slower than one on two H200s: XLA overlapped none of "
-                            "the exchange's collectives (docs/expert-parallel.md)"),
+    "ep_micro_batches": (1, "two micro-batches per MoE layer ran slower than one on two H200s: XLA overlapped the "
+                            "exchange, but the half-size kernels cost more than it hid (docs/expert-parallel.md)"),
     "cast_params_before_scan": (True, "the stacked weights are always cast to the compute dtype before the layer scan"),
     "router_topk_impl": ("auto", "the router_topk kernel picks the experts on GPUs, jnp elsewhere (the same picks)"),
     "embedding_grad": ("segment", "the embedding's backward is always turbo_moe.ops.segment_sum"),
