@@ -159,6 +159,18 @@ def test_an_unknown_ep_weights_is_refused():
     assert not turbo_maxtext.is_enabled()
 
 
+def test_enabling_again_with_other_options_is_refused():
+    turbo_maxtext.enable()
+    try:
+        turbo_maxtext.enable()  # the same options: nothing changes
+        with pytest.raises(ValueError, match="already on with ep_weights='fused'"):
+            turbo_maxtext.enable(ep_weights="split")
+        assert turbo_maxtext.is_enabled()
+    finally:
+        turbo_maxtext.disable()
+    assert not turbo_maxtext.is_enabled()
+
+
 def test_disable_restores_maxtexts_sparse_matmul():
     own = moe.RoutedMoE.__dict__["sparse_matmul"]
     with turbo_maxtext.grouped_gemm():

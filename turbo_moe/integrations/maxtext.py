@@ -153,13 +153,16 @@ def _make_sparse_matmul(original):
 
 def enable(ep_weights: str = "fused") -> None:
     """Route MaxText's MoE expert GEMMs (and, under expert parallelism, its exchange) through turbo_moe until
-    `disable()`. Idempotent (a second call keeps the first's options). Raises ImportError (naming the module) where
+    `disable()`. Idempotent for the same options (other options: a ValueError). Raises ImportError (naming the module) where
     maxtext is not installed. ep_weights: how the EP body takes MaxText's wi_0 / wi_1, "fused" (concatenated into
     turbo's (E, D, 2F) gate/up each step: turbo's expert block and fused SwiGLU) or "split" (three grouped GEMMs,
     no weight copy); see `turbo_moe.integrations.maxtext_ep`."""
     if ep_weights not in maxtext_ep.EP_WEIGHTS:
         raise ValueError(f"ep_weights: expected one of {maxtext_ep.EP_WEIGHTS}, got {ep_weights!r}")
     if _saved:
+        if _ep_options.get("ep_weights") != ep_weights:
+            raise ValueError(f"ep_weights: enable() is already on with ep_weights={_ep_options.get('ep_weights')!r}; "
+                             f"call disable() before enabling it with {ep_weights!r}")
         return
     moe = importlib.import_module(MOE_MODULE)
     missing = [n for n in _PATCHED_NAMES if not isinstance(getattr(moe, n, None), types.ModuleType)]
