@@ -4,6 +4,7 @@ expert GEMMs on MaxText's kernel or on turbo (`turbo_moe.integrations.maxtext.en
     PYTHONPATH=$PWD python benchmarks/maxtext_train.py --out DIR [--shape reduced] [--gemms maxtext,turbo]
         [--steps 20] [--set key=value ...]          # GPU, maxtext installed (.whl/README.txt lists the wheels)
     PYTHONPATH=$PWD python benchmarks/maxtext_train.py --out /tmp/mt --shape smoke --steps 3   # CPU check
+    ... --set ici_expert_parallelism=2             # expert parallelism (turbo: its EP body, column turbo_body)
 
 Shapes: `reduced` is turbo_moe's `reduced` preset in MaxText's keys (DeepSeek decoder block, MLA, 64 routed experts
 top-6 + 1 shared, d 1280, 16 layers of which 1 dense, vocabulary 32768, 8 x 2048 tokens a device); `smoke` a tiny
@@ -49,7 +50,7 @@ STEP = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([
                   r".*? loss: ([\d.naif]+)")
 RESULT_TAG = "MAXTEXT_TRAIN_PEAK "
 FIELDS = [*TABLE_COLUMNS, "shape", "gemms", "steps", "status", "step_s", "tokens_per_s_device", "tflops_device",
-          "final_loss", "peak_gib", "turbo_calls", "error"]
+          "final_loss", "peak_gib", "turbo_calls", "turbo_body", "turbo_stats", "error"]
 
 
 def maxtext_args(shape: str, steps: int, overrides: list[str]) -> list[str]:
@@ -76,8 +77,10 @@ def child(args) -> None:
     def main_then_report(argv):
         train.main(argv)
         stats = jax.devices()[0].memory_stats() or {}
-        calls = sum(v for k, v in turbo_maxtext.stats().items() if k.startswith("turbo"))
-        print(RESULT_TAG + json.dumps({"peak_bytes": stats.get("peak_bytes_in_use"), "turbo_calls": calls}), flush=True)
+        counts = turbo_maxtext.stats()
+        calls = sum(v for k, v in counts.items() if k.startswith("turbo"))
+        print(RESULT_TAG + json.dumps({"peak_bytes": stats.get("peak_bytes_in_use"), "turbo_calls": calls,
+                                       "turbo_stats": counts}), flush=True)
 
     app.run(main_then_report, argv=maxtext_args(args.shape, args.steps, args.set))  # absl's logging: the step lines
 
@@ -101,7 +104,17 @@ def run_one(args, gemms: str) -> dict:
     return dict(status="ok", step_s=statistics.median(float(r[1]) for r in tail),
                 tokens_per_s_device=statistics.median(float(r[3]) for r in tail),
                 tflops_device=statistics.median(float(r[2]) for r in tail), final_loss=float(steps[-1][4]),
-                peak_gib=round(peak / 2**30, 2) if peak else None, turbo_calls=result[-1]["turbo_calls"])
+                peak_gib=round(peak / 2**30, 2) if peak else None, turbo_calls=result[-1]["turbo_calls"],
+                **_turbo_body(result[-1].get("turbo_stats") or {}, gemms))
+
+
+def _turbo_body(counts: dict, gemms: str) -> dict:
+    """Which MoE body ran with turbo on: the EP exchange body (ici_expert_parallelism > 1) or MaxText's own body with
+    turbo GEMMs (one device, or a config the EP body falls back from: the reason is in turbo_stats)."""
+    if gemms != "turbo":
+        return {}
+    body = "ep_exchange" if counts.get("turbo_ep:sparse_matmul") else "gemms_only"
+    return dict(turbo_body=body, turbo_stats=";".join(f"{k}={v}" for k, v in sorted(counts.items())))
 
 
 def main(argv=None) -> None:

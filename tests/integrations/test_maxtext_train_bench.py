@@ -37,3 +37,21 @@ def test_every_run_is_a_row(bench, tmp_path):
     assert all(r["status"] == "ok" for r in rows.values()), rows
     assert int(rows["turbo"]["turbo_calls"]) > 0 and int(rows["maxtext"]["turbo_calls"] or 0) == 0
     assert float(rows["turbo"]["final_loss"]) == pytest.approx(float(rows["maxtext"]["final_loss"]), rel=1e-3)
+
+
+def test_expert_parallel_training_runs_turbos_ep_body(bench, tmp_path):
+    """MaxText's own training loop at ici_expert_parallelism=2: with turbo on, its MoE layers run turbo's EP body
+    (dispatch -> experts -> combine) and train to MaxText's own loss (its run without EP: XLA:CPU has no
+    ragged-all-to-all for MaxText's EP body)."""
+    pytest.importorskip("maxtext", reason="maxtext is not installed")
+    bench.main(["--out", str(tmp_path / "ep"), "--shape", "smoke", "--steps", "3", "--skip", "1", "--gemms", "turbo",
+                "--set", "ici_expert_parallelism=2", "--timeout-s", "300"])
+    bench.main(["--out", str(tmp_path / "own"), "--shape", "smoke", "--steps", "3", "--skip", "1", "--gemms",
+                "maxtext", "--timeout-s", "300"])
+    rows = {}
+    for name in ("ep", "own"):
+        with open(tmp_path / name / "maxtext_train.csv") as fh:
+            (rows[name],) = list(csv.DictReader(fh))
+    assert rows["ep"]["status"] == "ok" and rows["own"]["status"] == "ok", rows
+    assert rows["ep"]["turbo_body"] == "ep_exchange", rows["ep"]["turbo_stats"]
+    assert float(rows["ep"]["final_loss"]) == pytest.approx(float(rows["own"]["final_loss"]), rel=1e-3)
