@@ -2,7 +2,7 @@
 expert GEMMs on MaxText's kernel or on turbo (`turbo_moe.integrations.maxtext.enable()`), one child process a run.
 
     PYTHONPATH=$PWD python benchmarks/maxtext_train.py --out DIR [--shape reduced] [--gemms maxtext,turbo]
-        [--steps 20] [--set key=value ...]          # GPU, maxtext installed (.whl/README.txt lists the wheels)
+        [--steps 20] [--set key=value ...]          # GPU, maxtext installed (benchmarks/maxtext_wheels.txt)
     PYTHONPATH=$PWD python benchmarks/maxtext_train.py --out /tmp/mt --shape smoke --steps 3   # CPU check
     ... --set ici_expert_parallelism=2             # expert parallelism (turbo: its EP body, column turbo_body)
 
