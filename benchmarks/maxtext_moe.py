@@ -178,8 +178,7 @@ def run_one(shape: Shape, contender: str, args) -> dict:
             row["turbo_calls"] = sum(v for k, v in stats.items() if k.startswith("turbo"))
             if not row["turbo_calls"]:
                 raise RuntimeError(f"enable() routed no GEMM to turbo: {stats}")
-            row["turbo_body"] = "ep_exchange" if stats.get("turbo_ep:sparse_matmul") else "gemms_only"
-            row["turbo_stats"] = ";".join(f"{k}={v}" for k, v in sorted(stats.items()))
+            row.update(turbo_maxtext.body_summary(stats))
     tokens = shape.batch * shape.seq  # per device
     return row | dict(status="ok", step_ms=round(ms, 3), tokens_per_s=round(tokens / ms * 1e3),
                       step_mib=round(total, 1), temp_mib=round(temp, 1))

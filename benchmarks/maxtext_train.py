@@ -79,8 +79,9 @@ def child(args) -> None:
         stats = jax.devices()[0].memory_stats() or {}
         counts = turbo_maxtext.stats()
         calls = sum(v for k, v in counts.items() if k.startswith("turbo"))
+        body = turbo_maxtext.body_summary(counts) if args.gemms == "turbo" else None
         print(RESULT_TAG + json.dumps({"peak_bytes": stats.get("peak_bytes_in_use"), "turbo_calls": calls,
-                                       "turbo_stats": counts}), flush=True)
+                                       "body": body}), flush=True)
 
     app.run(main_then_report, argv=maxtext_args(args.shape, args.steps, args.set))  # absl's logging: the step lines
 
@@ -105,16 +106,7 @@ def run_one(args, gemms: str) -> dict:
                 tokens_per_s_device=statistics.median(float(r[3]) for r in tail),
                 tflops_device=statistics.median(float(r[2]) for r in tail), final_loss=float(steps[-1][4]),
                 peak_gib=round(peak / 2**30, 2) if peak else None, turbo_calls=result[-1]["turbo_calls"],
-                **_turbo_body(result[-1].get("turbo_stats") or {}, gemms))
-
-
-def _turbo_body(counts: dict, gemms: str) -> dict:
-    """Which MoE body ran with turbo on: the EP exchange body (ici_expert_parallelism > 1) or MaxText's own body with
-    turbo GEMMs (one device, or a config the EP body falls back from: the reason is in turbo_stats)."""
-    if gemms != "turbo":
-        return {}
-    body = "ep_exchange" if counts.get("turbo_ep:sparse_matmul") else "gemms_only"
-    return dict(turbo_body=body, turbo_stats=";".join(f"{k}={v}" for k, v in sorted(counts.items())))
+                **(result[-1].get("body") or {}))
 
 
 def main(argv=None) -> None:

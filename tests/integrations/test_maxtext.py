@@ -39,8 +39,9 @@ def make_config(n_devices: int, **overrides):
                                **(TINY | overrides))
 
 
-def layer_and_grads(cfg, n_devices: int):
-    """(output, d_inputs, d_params) of sum(RoutedMoE(x) * probe), jitted inside the mesh and axis rules."""
+def run_layer(cfg, n_devices: int, objective):
+    """value_and_grad of `objective(layer outputs, probe) -> (loss, aux)` for RoutedMoE on `n_devices`, jitted inside
+    the mesh and MaxText's logical axis rules: (aux, d_inputs, d_params)."""
     devices = np.asarray(jax.devices()[:n_devices])
     mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg, devices=devices), cfg.mesh_axes)
     # MaxText calls jax.lax.ragged_dot without a precision: XLA:GPU multiplies float32 in TF32 there, turbo
@@ -57,11 +58,15 @@ def layer_and_grads(cfg, n_devices: int):
         probe = jax.random.normal(jax.random.PRNGKey(2), x.shape, jnp.float32)
 
         def loss(params, x):
-            out = nnx.merge(graphdef, params, rest)(x)[0]
-            return jnp.sum(out * probe), out
+            return objective(nnx.merge(graphdef, params, rest)(x), probe)
 
-        (_, out), (d_params, d_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-    return out, d_x, d_params
+        (_, aux), (d_params, d_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    return aux, d_x, d_params
+
+
+def layer_and_grads(cfg, n_devices: int):
+    """(output, d_inputs, d_params) of sum(RoutedMoE(x) * probe)."""
+    return run_layer(cfg, n_devices, lambda outputs, probe: (jnp.sum(outputs[0] * probe), outputs[0]))
 
 
 def assert_same(a, b, what):

@@ -17,13 +17,8 @@ import jax.numpy as jnp
 
 moe = pytest.importorskip("maxtext.layers.moe", reason="maxtext is not installed (see tests/integrations/"
                           "test_maxtext.py for the packages)")
-from flax import nnx  # noqa: E402
-from flax.linen import partitioning as nn_partitioning  # noqa: E402
 
-from maxtext.layers.initializers import nd_dense_init  # noqa: E402
-from maxtext.utils import maxtext_utils  # noqa: E402
-
-from tests.integrations.test_maxtext import assert_same, make_config  # noqa: E402
+from tests.integrations.test_maxtext import assert_same, make_config, run_layer  # noqa: E402
 from turbo_moe.integrations import maxtext as turbo_maxtext  # noqa: E402
 from turbo_moe.integrations.maxtext import _Overlay  # noqa: E402 (a module with some attributes replaced)
 
@@ -59,29 +54,12 @@ def cpu_ragged_all_to_all(monkeypatch):
 
 def layer_results(cfg, n_devices: int):
     """(output, lb_loss, bias_updates, d_inputs, d_params) of RoutedMoE on `n_devices`, loss = sum(output * probe)
-    + 3 lb_loss, jitted inside the mesh and MaxText's logical axis rules."""
-    devices = np.asarray(jax.devices()[:n_devices])
-    mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg, devices=devices), cfg.mesh_axes)
-    # MaxText calls jax.lax.ragged_dot without a precision: XLA:GPU multiplies float32 in TF32 there, turbo
-    # exactly. "highest" makes the reference float32 too (no-op on the CPU).
-    with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules), \
-            jax.default_matmul_precision("highest"):
-        layer = moe.RoutedMoE(config=cfg, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                              mesh=mesh, kernel_init=nd_dense_init(1.0, "fan_in", "truncated_normal"),
-                              kernel_axes=("embed", None), rngs=nnx.Rngs(0), intermediate_dim=cfg.moe_mlp_dim,
-                              dtype=cfg.dtype, weight_dtype=cfg.weight_dtype)
-        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-        batch = cfg.per_device_batch_size * n_devices
-        x = jax.random.normal(jax.random.PRNGKey(1), (batch, cfg.max_target_length, cfg.emb_dim), jnp.float32)
-        probe = jax.random.normal(jax.random.PRNGKey(2), x.shape, jnp.float32)
+    + 3 lb_loss."""
+    def objective(outputs, probe):
+        out, lb_loss, _ = outputs
+        return jnp.sum(out * probe) + (0.0 if lb_loss is None else 3.0 * lb_loss), outputs
 
-        def loss(params, x):
-            out, lb_loss, bias_updates = nnx.merge(graphdef, params, rest)(x)
-            total = jnp.sum(out * probe) + (0.0 if lb_loss is None else 3.0 * lb_loss)
-            return total, (out, lb_loss, bias_updates)
-
-        (_, (out, lb_loss, bias_updates)), (d_params, d_x) = jax.jit(
-            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    (out, lb_loss, bias_updates), d_x, d_params = run_layer(cfg, n_devices, objective)
     return out, lb_loss, bias_updates, d_x, d_params
 
 

@@ -221,5 +221,12 @@ def stats() -> dict[str, int]:
     return dict(_counts)
 
 
+def body_summary(counts: dict[str, int]) -> dict[str, str]:
+    """A benchmark row's view of `stats()`: turbo_body "ep_exchange" (the EP body ran) or "gemms_only" (MaxText's body
+    with turbo GEMMs: one device, or a config the EP body fell back from, its reason in turbo_stats)."""
+    return dict(turbo_body="ep_exchange" if counts.get("turbo_ep:sparse_matmul") else "gemms_only",
+                turbo_stats=";".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
 def reset_stats() -> None:
     _counts.clear()
