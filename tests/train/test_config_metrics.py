@@ -211,6 +211,8 @@ def test_device_choices_say_what_the_defaults_run():
     assert gpu["swiglu_kernels"] and gpu["router_topk_kernel"]
     assert not device_choices(get_config("tiny", moe_path="ragged"), "gpu")["swiglu_kernels"]  # turbo's GEMM only
     assert device_choices(get_config("tiny", dtype="float32"), "gpu")["attention"] == "xla"  # cuDNN: bf16/f16 only
+    # Several devices: XLA would partition the uninitialised buffer as a global one cut per device (a copy)
+    assert not device_choices(get_config("tiny"), "gpu", devices=2)["scan_outputs_uninitialized"]
 
 
 def test_schedule_warms_up_then_decays():

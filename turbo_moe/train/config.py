@@ -28,7 +28,7 @@ __all__ = ["TrainConfig", "OptimizerConfig", "DataConfig", "ParallelConfig", "Ch
 # TrainConfig fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a
 # removed field set to the kept behaviour (old records and specs) and refuses any other value with the reason.
 REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
-    "scan_outputs_uninitialized": (True, "scan outputs are left uninitialised on GPUs wherever this JAX allows it"),
+    "scan_outputs_uninitialized": (True, "scan outputs are left uninitialised on one-GPU meshes wherever this JAX allows it"),
     "cast_params_in_update": (False, "master_weights='split' keeps the bf16 compute copy instead"),
     "xla_gpu_autotune_level": (None, "runs compile with XLA's GEMM autotuning (level 0 ran the step several times "
                                      "slower); benchmarks that only compile pass a level to build_program"),

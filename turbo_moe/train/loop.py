@@ -50,7 +50,7 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
         progress.close()
         raise
     result = RunResult(provenance=M.provenance(tc.to_dict(), model_cfg.to_dict(), dataset.info))
-    result.provenance["device_choices"] = device_choices(model_cfg)
+    result.provenance["device_choices"] = device_choices(model_cfg, devices=jax.device_count())
     # CPU: compiled programs are kept on disk, so the next run of the same shapes skips XLA's compiler (the
     # summary says whether compile_time_s may be a cache load).
     result.summary["compilation_cache"] = compilation_cache_on() is not None

@@ -341,13 +341,20 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
 
 
 def uninitialized_scans_here(mesh: Mesh) -> bool:
-    """Scan outputs left uninitialised: on GPU meshes (elsewhere `lax.empty` is zeros anyway) where this JAX allows."""
-    return mesh.devices.flat[0].platform == "gpu" and scan_outputs.supported()
+    """Scan outputs left uninitialised: on one-GPU meshes (elsewhere `lax.empty` is zeros anyway) where this JAX
+    allows. On a mesh of several devices XLA partitions the unsharded `AllocateBuffer` as a buffer of the global
+    shape cut by a dynamic slice: each device then copies its whole shard (and holds the global buffer), which costs
+    more than the zero fill it replaces (docs/expert-parallel.md)."""
+    return uninitialized_scans_on(mesh.devices.flat[0].platform, mesh.size)
 
 
-def device_choices(model_cfg: ModelConfig, platform: str | None = None) -> dict[str, Any]:
-    """What the device-dependent defaults resolve to on `platform` (default: JAX's backend), for the run's record:
-    two runs that differ in one of these differ in this dict, not only in the device name."""
+def uninitialized_scans_on(platform: str, devices: int) -> bool:
+    return platform == "gpu" and devices == 1 and scan_outputs.supported()
+
+
+def device_choices(model_cfg: ModelConfig, platform: str | None = None, devices: int = 1) -> dict[str, Any]:
+    """What the device-dependent defaults resolve to on `platform` (default: JAX's backend) with a mesh of `devices`,
+    for the run's record: two runs that differ in one of these differ in this dict, not only in the device name."""
     from turbo_moe.model.layers import _cudnn_unpadded
     from turbo_moe.model.paths import path_row
 
@@ -361,7 +368,7 @@ def device_choices(model_cfg: ModelConfig, platform: str | None = None) -> dict[
     return {"platform": platform, "attention": attention,
             "swiglu_kernels": gpu and row.gemm == "turbo" and row.exchange == "permute",
             "router_topk_kernel": gpu,
-            "scan_outputs_uninitialized": gpu and scan_outputs.supported()}
+            "scan_outputs_uninitialized": uninitialized_scans_on(platform, devices)}
 
 
 def program_for(tc: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Program:
