@@ -29,6 +29,7 @@ from turbo_moe.experiments.display import GIB
 from turbo_moe.model.paths import MOE_PATHS
 
 PRESET = "deepseek_v3_671b"
+SLICE_REMAT_POLICY = "dots_experts_attention"
 SHRINKS = (2, 4, 8, 16, 32, 64)
 # Widths divided by the shrink factor (floors keep a valid config); head dims stay exact.
 _WIDTHS = {"d_model": 64, "n_heads": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "dense_ffn_dim": 64,
@@ -95,8 +96,10 @@ def plan_slice(
         _positive_int("n_experts", n_experts)
     if not isinstance(model_overrides, Mapping):
         raise ValueError(f"parameter model_overrides: must be a dict, got {type(model_overrides).__name__}")
+    # A slice of a few layers saves the matmul, expert and attention outputs: the preset's "full" (right for all 61
+    # layers) recomputed 12% of the step at no memory saving (docs/expert-parallel.md); model_overrides may differ.
     base = {"n_layers": n_layers, "n_dense_layers": n_dense_layers, "capacity_factor": capacity_factor,
-            "max_seq_len": seq_len}
+            "max_seq_len": seq_len, "remat_policy": SLICE_REMAT_POLICY}
     exact_cfg = get_config(PRESET, **base)  # validates the layer counts, naming the field
     fewest = _fewest_experts(exact_cfg)
     exact_need = pd.DataFrame(
