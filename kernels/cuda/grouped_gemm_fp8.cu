@@ -26,12 +26,6 @@
 #include "../contracts/grouped_gemm_fp8.h"
 #include "../contracts/registration.h"
 
-#include <type_traits>
-
-#ifndef FP8_WGRAD_EPILOGUE
-#define FP8_WGRAD_EPILOGUE DirectEpilogue, kDirectEpilogueSmem
-#endif
-
 namespace turbo_moe::fp8 {
 
 using namespace cute;
@@ -42,27 +36,21 @@ using Out = cutlass::bfloat16_t;
 using TileShape = Shape<_128, _128, _128>;  // one 128-deep K block per mainloop step: one promotion per step
 using ClusterShape = Shape<_1, _1, _1>;     // any N (no cluster rounding of the N tiles)
 
-// The epilogue (bf16 D = the float32 accumulator, no C), through shared memory and TMA stores or straight from the
-// registers (the weight gradient: a 128x128 tile there is only a few 128-deep K blocks, so storing dominates).
-template <class Schedule, class Fusion>
-using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
+// The epilogue (bf16 D = the float32 accumulator, no C) is the same for every configuration.
+using Epilogue = cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     void, cutlass::layout::RowMajor*, 8,  // no C
     Out, cutlass::layout::RowMajor*, 8,   // D: 16 bytes of bf16
-    Schedule, Fusion>::CollectiveOp;
-using TmaEpilogue = EpilogueFor<cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-                                cutlass::epilogue::fusion::LinearCombination<Out, float>>;
-using DirectEpilogue = EpilogueFor<cutlass::epilogue::PtrArrayNoSmemWarpSpecialized,
-                                   cutlass::epilogue::fusion::LinearCombination<Out, float, void, float>>;
-// Their shared memory, carved out of the mainloop's stages: constants here, since `sizeof(Epilogue::SharedStorage)`
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+    cutlass::epilogue::fusion::LinearCombination<Out, float>>::CollectiveOp;
+// Its shared memory, carved out of the mainloop's stages: a constant here, since `sizeof(Epilogue::SharedStorage)`
 // written inside the Config template reaches GCC's host pass as a type it cannot parse.
-constexpr int kTmaEpilogueSmem = static_cast<int>(sizeof(TmaEpilogue::SharedStorage));
-constexpr int kDirectEpilogueSmem = static_cast<int>(sizeof(DirectEpilogue::SharedStorage));
+constexpr int kEpilogueSmem = static_cast<int>(sizeof(Epilogue::SharedStorage));
 
 // One kernel configuration. GranM / GranN: rows of A / B sharing one scale (K blocks are always 128 deep);
 // kSfaKMajor: A's scales stored [rows, K/128] (the forward) rather than [K/128, rows] (the weight gradient).
-template <int GranM, int GranN, bool kSfaKMajor, class EpilogueT, int kEpilogueSmem>
+template <int GranM, int GranN, bool kSfaKMajor>
 struct Config {
   using TileShape = fp8::TileShape;
   using ClusterShape = fp8::ClusterShape;
@@ -73,8 +61,7 @@ struct Config {
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   static constexpr int kAlignIn = 16;  // 16 bytes of fp8
 
-  using Epilogue = EpilogueT;
-  static constexpr bool kDirectStore = std::is_same_v<EpilogueT, DirectEpilogue>;
+  using Epilogue = fp8::Epilogue;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -92,10 +79,8 @@ struct Config {
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 };
 
-// forward and data gradient: 1x128 activations, 128x128 weights
-using RowsConfig = Config<1, 128, true, TmaEpilogue, kTmaEpilogueSmem>;
-// weight gradient: 128x1 tiles of activations and output gradients
-using WeightGradConfig = Config<1, 1, false, FP8_WGRAD_EPILOGUE>;
+using RowsConfig = Config<1, 128, true>;      // forward and data gradient: 1x128 activations, 128x128 weights
+using WeightGradConfig = Config<1, 1, false>;  // weight gradient: 128x1 tiles of activations and output gradients
 
 // The per-problem device arrays the grouped kernel reads, carved from the call's workspace.
 template <typename Cfg>
@@ -218,12 +203,10 @@ typename Cfg::Gemm::Arguments make_arguments(const DeviceArgs<Cfg>& d, int64_t n
   fusion.beta = 0.f;
   fusion.alpha_ptr = nullptr;
   fusion.beta_ptr = nullptr;
-  if constexpr (!Cfg::kDirectStore) {
-    fusion.alpha_ptr_array = nullptr;
-    fusion.beta_ptr_array = nullptr;
-    fusion.dAlpha = {_0{}, _0{}, 0};
-    fusion.dBeta = {_0{}, _0{}, 0};
-  }
+  fusion.alpha_ptr_array = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  fusion.dAlpha = {_0{}, _0{}, 0};
+  fusion.dBeta = {_0{}, _0{}, 0};
   args = typename Cfg::Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {static_cast<int>(n), d.shapes, nullptr},  // shapes on the device only
