@@ -173,8 +173,8 @@ def test_forward_exact_emulation_and_error_bound(case):
     assert rel_err(out, reference.grouped_gemm(x, w, sizes)) < E4M3_BOUND
     tail = int(reference.group_bounds(sizes, x.shape[0])[-1])
     assert not np.any(np.asarray(out)[tail:]), "rows past sum(group_sizes) must be zero"
-    # on the CPU "auto" is the emulated path
-    np.testing.assert_array_equal(np.asarray(jax.jit(grouped_gemm_fp8)(x, w, jnp.asarray(sizes))), np.asarray(out))
+    if jax.default_backend() == "cpu":  # on the CPU "auto" is the emulated path (a GPU runs the kernel: tests/gpu)
+        np.testing.assert_array_equal(np.asarray(jax.jit(grouped_gemm_fp8)(x, w, jnp.asarray(sizes))), np.asarray(out))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
