@@ -63,6 +63,9 @@ def test_this_jax_supports_it_and_gpu_meshes_take_it():
     assert not uninitialized_scans_here(make_mesh(jax.devices()[:1]))  # on the CPU `lax.empty` is zeros anyway
     gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
     assert uninitialized_scans_here(gpu_mesh)
+    # two GPUs: XLA would partition the bare AllocateBuffer as a global buffer cut per device (a copy), so zeros
+    two_gpus = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")] * 2))
+    assert not uninitialized_scans_here(two_gpus)
 
 
 def test_an_unsupported_jax_is_named(monkeypatch):
@@ -103,5 +106,5 @@ def test_the_removed_field_is_accepted_at_the_kept_behaviour_only():
     base = dict(model="tiny", dataset="synthetic")
     assert TrainConfig.from_dict({**base, "scan_outputs_uninitialized": True}) == TrainConfig.from_dict(base)
     with pytest.raises(ValueError, match=r"TrainConfig field 'scan_outputs_uninitialized' was removed \(scan outputs "
-                                         r"are left uninitialised on GPUs"):
+                                         r"are left uninitialised on one-GPU meshes"):
         TrainConfig.from_dict({**base, "scan_outputs_uninitialized": False})

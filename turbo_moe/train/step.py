@@ -345,7 +345,7 @@ def uninitialized_scans_here(mesh: Mesh) -> bool:
     allows. On a mesh of several devices XLA partitions the unsharded `AllocateBuffer` as a buffer of the global
     shape cut by a dynamic slice: each device then copies its whole shard (and holds the global buffer), which costs
     more than the zero fill it replaces (docs/expert-parallel.md)."""
-    return uninitialized_scans_on(mesh.devices.flat[0].platform, mesh.size)
+    return uninitialized_scans_on(mesh.devices.flat[0].platform, mesh.devices.size)
 
 
 def uninitialized_scans_on(platform: str, devices: int) -> bool:
