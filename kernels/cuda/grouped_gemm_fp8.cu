@@ -11,7 +11,6 @@
 // the handlers are command-buffer compatible. FP8 wgmma reads both operands K-major, hence the layouts in the contract.
 #include "group_walk.cuh"
 #include "common.cuh"
-#include "fp8_overlapped_promotion.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
@@ -37,36 +36,21 @@ using Out = cutlass::bfloat16_t;
 using TileShape = Shape<_128, _128, _128>;  // one 128-deep K block per mainloop step: one promotion per step
 using ClusterShape = Shape<_1, _1, _1>;     // any N (no cluster rounding of the N tiles)
 
-// The epilogue (bf16 D = the float32 accumulator, no C). EpiTile: the piece of the output tile staged in shared
-// memory per TMA store.
-#ifndef TM_WGRAD_EPI_FULL
-#define TM_WGRAD_EPI_FULL 0
-#endif
-#ifndef TM_OVERLAP
-#define TM_OVERLAP 0
-#endif
-template <class EpiTile>
-using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
+// The epilogue (bf16 D = the float32 accumulator, no C) is the same for every configuration.
+using Epilogue = cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    EpiTile, float, float,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     void, cutlass::layout::RowMajor*, 8,  // no C
     Out, cutlass::layout::RowMajor*, 8,   // D: 16 bytes of bf16
     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::fusion::LinearCombination<Out, float>>::CollectiveOp;
-using Epilogue = EpilogueFor<cutlass::epilogue::collective::EpilogueTileAuto>;
-#if TM_WGRAD_EPI_FULL
-using WeightGradEpilogue = EpilogueFor<Shape<_128, _128>>;
-#else
-using WeightGradEpilogue = Epilogue;
-#endif
-// Their shared memory, carved out of the mainloop's stages: constants here, since `sizeof(Epilogue::SharedStorage)`
+// Its shared memory, carved out of the mainloop's stages: a constant here, since `sizeof(Epilogue::SharedStorage)`
 // written inside the Config template reaches GCC's host pass as a type it cannot parse.
 constexpr int kEpilogueSmem = static_cast<int>(sizeof(Epilogue::SharedStorage));
-constexpr int kWeightGradEpilogueSmem = static_cast<int>(sizeof(WeightGradEpilogue::SharedStorage));
 
 // One kernel configuration. GranM / GranN: rows of A / B sharing one scale (K blocks are always 128 deep);
 // kSfaKMajor: A's scales stored [rows, K/128] (the forward) rather than [K/128, rows] (the weight gradient).
-template <int GranM, int GranN, bool kSfaKMajor, class Epi, int kEpiSmem>
+template <int GranM, int GranN, bool kSfaKMajor>
 struct Config {
   using TileShape = fp8::TileShape;
   using ClusterShape = fp8::ClusterShape;
@@ -77,20 +61,15 @@ struct Config {
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   static constexpr int kAlignIn = 16;  // 16 bytes of fp8
 
-  using Epilogue = Epi;
+  using Epilogue = fp8::Epilogue;
 
-  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Fp8, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignIn,     // A: [rows, K], K contiguous
       Fp8, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignIn,  // B: [N, K], K contiguous
       float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kEpiSmem>,
+      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
       KernelSchedule>::CollectiveOp;
-#if TM_OVERLAP
-  using Mainloop = OverlappedPromotionMma<BuiltMainloop>;
-#else
-  using Mainloop = BuiltMainloop;
-#endif
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -100,10 +79,8 @@ struct Config {
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 };
 
-// forward and data gradient: 1x128 activations, 128x128 weights
-using RowsConfig = Config<1, 128, true, Epilogue, kEpilogueSmem>;
-// weight gradient: 128x1 tiles of activations and output gradients
-using WeightGradConfig = Config<1, 1, false, WeightGradEpilogue, kWeightGradEpilogueSmem>;
+using RowsConfig = Config<1, 128, true>;      // forward and data gradient: 1x128 activations, 128x128 weights
+using WeightGradConfig = Config<1, 1, false>;  // weight gradient: 128x1 tiles of activations and output gradients
 
 // The per-problem device arrays the grouped kernel reads, carved from the call's workspace.
 template <typename Cfg>
