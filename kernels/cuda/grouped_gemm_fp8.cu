@@ -11,6 +11,7 @@
 // the handlers are command-buffer compatible. FP8 wgmma reads both operands K-major, hence the layouts in the contract.
 #include "group_walk.cuh"
 #include "common.cuh"
+#include "fp8_wide_tile_mainloop.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
@@ -33,26 +34,39 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  //
 using Fp8 = cutlass::float_e4m3_t;
 using Out = cutlass::bfloat16_t;
 
-using TileShape = Shape<_128, _128, _128>;  // one 128-deep K block per mainloop step: one promotion per step
+#ifndef TM_ROWS_TILE_N
+#define TM_ROWS_TILE_N 128
+#endif
+#ifndef TM_WGRAD_TILE_N
+#define TM_WGRAD_TILE_N 128
+#endif
+template <int TileN>
+using TileShapeN = Shape<_128, Int<TileN>, _128>;  // one 128-deep K block per mainloop step: one promotion per step
 using ClusterShape = Shape<_1, _1, _1>;     // any N (no cluster rounding of the N tiles)
 
-// The epilogue (bf16 D = the float32 accumulator, no C) is the same for every configuration.
-using Epilogue = cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+// The epilogue (bf16 D = the float32 accumulator, no C) of a tile shape.
+template <int TileN>
+using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShapeN<TileN>, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     void, cutlass::layout::RowMajor*, 8,  // no C
     Out, cutlass::layout::RowMajor*, 8,   // D: 16 bytes of bf16
     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::fusion::LinearCombination<Out, float>>::CollectiveOp;
-// Its shared memory, carved out of the mainloop's stages: a constant here, since `sizeof(Epilogue::SharedStorage)`
+// Its shared memory, carved out of the mainloop's stages: constants here, since `sizeof(Epilogue::SharedStorage)`
 // written inside the Config template reaches GCC's host pass as a type it cannot parse.
-constexpr int kEpilogueSmem = static_cast<int>(sizeof(Epilogue::SharedStorage));
+constexpr int kEpilogueSmem128 = static_cast<int>(sizeof(EpilogueFor<128>::SharedStorage));
+constexpr int kEpilogueSmem256 = static_cast<int>(sizeof(EpilogueFor<256>::SharedStorage));
+// The 64x128 FP8 wgmma, two warpgroups along M: what a 128x256 tile runs as two halves.
+using HalfTiledMma = decltype(make_tiled_mma(
+    cute::GMMA::ss_op_selector<Fp8, Fp8, float, Shape<_128, _128, _128>, cute::GMMA::Major::K, cute::GMMA::Major::K>(),
+    Layout<Shape<_2, _1, _1>>{}));
 
 // One kernel configuration. GranM / GranN: rows of A / B sharing one scale (K blocks are always 128 deep);
 // kSfaKMajor: A's scales stored [rows, K/128] (the forward) rather than [K/128, rows] (the weight gradient).
-template <int GranM, int GranN, bool kSfaKMajor>
+template <int GranM, int GranN, bool kSfaKMajor, int TileN>
 struct Config {
-  using TileShape = fp8::TileShape;
+  using TileShape = TileShapeN<TileN>;
   using ClusterShape = fp8::ClusterShape;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
@@ -61,15 +75,18 @@ struct Config {
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   static constexpr int kAlignIn = 16;  // 16 bytes of fp8
 
-  using Epilogue = fp8::Epilogue;
+  using Epilogue = EpilogueFor<TileN>;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Fp8, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignIn,     // A: [rows, K], K contiguous
       Fp8, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignIn,  // B: [N, K], K contiguous
       float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
+      cutlass::gemm::collective::StageCountAutoCarveout<TileN == 256 ? kEpilogueSmem256 : kEpilogueSmem128>,
       KernelSchedule>::CollectiveOp;
+  using Mainloop = std::conditional_t<TileN == 256,
+                                      WideTileMma<typename WithTiledMma<BuiltMainloop, HalfTiledMma>::type>,
+                                      BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -79,8 +96,10 @@ struct Config {
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 };
 
-using RowsConfig = Config<1, 128, true>;      // forward and data gradient: 1x128 activations, 128x128 weights
-using WeightGradConfig = Config<1, 1, false>;  // weight gradient: 128x1 tiles of activations and output gradients
+// forward and data gradient: 1x128 activations, 128x128 weights
+using RowsConfig = Config<1, 128, true, TM_ROWS_TILE_N>;
+// weight gradient: 128x1 tiles of activations and output gradients
+using WeightGradConfig = Config<1, 1, false, TM_WGRAD_TILE_N>;
 
 // The per-problem device arrays the grouped kernel reads, carved from the call's workspace.
 template <typename Cfg>
