@@ -6,7 +6,8 @@
 //                                           per (column, 128 rows) tile                               -> [G, K, N] bf16
 // Hopper only (sm_90a): CUTLASS's ptr-array grouped kernel with blockwise scaling (TMA loads, fp8 wgmma, two
 // consumer warpgroups); the mainloop scales each 128-deep K block's float32 partial sums and adds them into a float32
-// accumulator, DeepSeek-V3's promotion interval. As in grouped_gemm_sm90, a one-block prologue kernel turns the
+// accumulator, DeepSeek-V3's promotion interval (forward and data gradient: our consumer mainloop for a 128x256 tile,
+// fp8_wide_tile_mainloop.cuh). As in grouped_gemm_sm90, a one-block prologue kernel turns the
 // device-resident group sizes into per-group problem shapes, pointers, strides and scale pointers: no host sync, and
 // the handlers are command-buffer compatible. FP8 wgmma reads both operands K-major, hence the layouts in the contract.
 #include "group_walk.cuh"
@@ -34,15 +35,12 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  //
 using Fp8 = cutlass::float_e4m3_t;
 using Out = cutlass::bfloat16_t;
 
-#ifndef TM_ROWS_TILE_N
-#define TM_ROWS_TILE_N 128
-#endif
-#ifndef TM_WGRAD_TILE_N
-#define TM_WGRAD_TILE_N 128
-#endif
+// One 128-deep K block per mainloop step: one promotion per step. Forward and data gradient use 128x256 tiles (our
+// mainloop, fp8_wide_tile_mainloop.cuh: 25% fewer L2 bytes a FLOP, +9-20% against 128x128 on an H200), the weight
+// gradient 128x128 (CUTLASS's mainloop: the wide tile measured 0-12% slower there; docs/notes/fp8.md).
 template <int TileN>
-using TileShapeN = Shape<_128, Int<TileN>, _128>;  // one 128-deep K block per mainloop step: one promotion per step
-using ClusterShape = Shape<_1, _1, _1>;     // any N (no cluster rounding of the N tiles)
+using TileShapeN = Shape<_128, Int<TileN>, _128>;
+using ClusterShape = Shape<_1, _1, _1>;  // any N (no cluster rounding of the N tiles)
 
 // The epilogue (bf16 D = the float32 accumulator, no C) of a tile shape.
 template <int TileN>
@@ -97,9 +95,9 @@ struct Config {
 };
 
 // forward and data gradient: 1x128 activations, 128x128 weights
-using RowsConfig = Config<1, 128, true, TM_ROWS_TILE_N>;
+using RowsConfig = Config<1, 128, true, 256>;
 // weight gradient: 128x1 tiles of activations and output gradients
-using WeightGradConfig = Config<1, 1, false, TM_WGRAD_TILE_N>;
+using WeightGradConfig = Config<1, 1, false, 128>;
 
 // The per-problem device arrays the grouped kernel reads, carved from the call's workspace.
 template <typename Cfg>
