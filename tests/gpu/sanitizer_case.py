@@ -74,6 +74,20 @@ def main():
     print("quantize_group_columns equals the CPU handler:",
           all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)) for a, b in zip(*got)))
 
+    # grouped_gemm_fp8 (Hopper): empty groups, sum < M, N = 384 (the 128x256 forward tile's second N tile half
+    # outside the matrix), K = 256; forward, data and weight gradients through the op's VJP
+    if jax.devices("gpu")[0].compute_capability.startswith("9"):
+        x8 = jax.device_put(jnp.asarray(rng.standard_normal((M, 256)), jnp.bfloat16), gpu)
+        w8 = jax.device_put(jnp.asarray(rng.standard_normal((len(sizes), 256, 384)) / 16, jnp.bfloat16), gpu)
+        gs8 = jax.device_put(jnp.asarray(sizes), gpu)
+        y8, vjp8 = jax.vjp(lambda a, b: ops.grouped_gemm_fp8(a, b, gs8), x8, w8)
+        dx8, dw8 = vjp8(jnp.ones_like(y8))
+        want = ref.grouped_gemm(np.asarray(x8, np.float64), np.asarray(w8, np.float64), sizes)
+        err = np.linalg.norm(np.asarray(y8, np.float64) - want) / np.linalg.norm(want)
+        print(f"grouped_gemm_fp8 N=384: fwd rel err {err:.3g}, grads finite "
+              f"{bool(np.isfinite(np.asarray(dx8, np.float32)).all() and np.isfinite(np.asarray(dw8, np.float32)).all())}",
+              flush=True)
+
     # router_topk: both kernels (penalty: a block per sequence over chunks, the last one partial; none: a grid)
     sel = rng.uniform(0, 1, (2, 45, 64)).astype(np.float32)
     bias = rng.normal(0, 0.05, 64).astype(np.float32)
