@@ -47,6 +47,7 @@ struct WideTileMma : Base {
                           int thread_idx, TensorStorage& shared_tensors, Params const&) {
     using namespace cute;
     static_assert(is_rmem<FrgTensorC>::value, "the accumulator must be in registers");
+    static_assert(size<1>(FrgTensorC{}) == 1, "one wgmma row block a warpgroup");
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
     // Scales as (BLK_M, BLK_N, (BLK_K, PIPE)) tensors broadcast over the other mode (stride 0): partitioned like C,
@@ -87,23 +88,20 @@ struct WideTileMma : Base {
       copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), sfa);
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<2>(accum); ++n) {
-        copy(tCsSFB(_, _, n, make_coord(_0{}, stage)), sfb(_, _, n));  // one column block's at a time: fewer registers
+        copy(tCsSFB(_, _, n, make_coord(_0{}, stage)), sfb(_, _, n));  // one half's at a time: fewer live registers
+        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+        warpgroup_fence_operand(partial);
+        warpgroup_arrive();
         CUTLASS_PRAGMA_UNROLL
-        for (int m = 0; m < size<1>(accum); ++m) {
-          tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-          warpgroup_fence_operand(partial);
-          warpgroup_arrive();
-          CUTLASS_PRAGMA_UNROLL
-          for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-            cute::gemm(tiled_mma, tCrA(_, m, k_block, stage), tCrB(_, n, k_block, stage), partial);
-            tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(partial);
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(partial); ++i) accum(i, m, n) += partial(i) * (sfa(i, m, n) * sfb(i, m, n));
+        for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+          cute::gemm(tiled_mma, tCrA(_, 0, k_block, stage), tCrB(_, n, k_block, stage), partial);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(partial);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(partial); ++i) accum(i, 0, n) += partial(i) * (sfa(i, 0, n) * sfb(i, 0, n));
       }
       ++smem_pipe_read;
       if (k + 1 < k_tile_count) {  // the last block's stage is released by mma_tail

@@ -42,24 +42,19 @@ template <int TileN>
 using TileShapeN = Shape<_128, Int<TileN>, _128>;
 using ClusterShape = Shape<_1, _1, _1>;  // any N (no cluster rounding of the N tiles)
 
-#ifndef TM_WGRAD_PINGPONG
-#define TM_WGRAD_PINGPONG 0
-#endif
-// The epilogue (bf16 D = the float32 accumulator, no C) of a tile shape and schedule.
-template <int TileN, bool kPingpong = false>
+// The epilogue (bf16 D = the float32 accumulator, no C) of a tile shape.
+template <int TileN>
 using EpilogueFor = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShapeN<TileN>, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     void, cutlass::layout::RowMajor*, 8,  // no C
     Out, cutlass::layout::RowMajor*, 8,   // D: 16 bytes of bf16
-    std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>,
+    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
     cutlass::epilogue::fusion::LinearCombination<Out, float>>::CollectiveOp;
 // Its shared memory, carved out of the mainloop's stages: constants here, since `sizeof(Epilogue::SharedStorage)`
 // written inside the Config template reaches GCC's host pass as a type it cannot parse.
 constexpr int kEpilogueSmem128 = static_cast<int>(sizeof(EpilogueFor<128>::SharedStorage));
 constexpr int kEpilogueSmem256 = static_cast<int>(sizeof(EpilogueFor<256>::SharedStorage));
-constexpr int kEpilogueSmemPingpong = static_cast<int>(sizeof(EpilogueFor<128, true>::SharedStorage));
 // The 64x128 FP8 wgmma, two warpgroups along M: what a 128x256 tile runs as two halves.
 using HalfTiledMma = decltype(make_tiled_mma(
     cute::GMMA::ss_op_selector<Fp8, Fp8, float, Shape<_128, _128, _128>, cute::GMMA::Major::K, cute::GMMA::Major::K>(),
@@ -67,33 +62,29 @@ using HalfTiledMma = decltype(make_tiled_mma(
 
 // One kernel configuration. GranM / GranN: rows of A / B sharing one scale (K blocks are always 128 deep);
 // kSfaKMajor: A's scales stored [rows, K/128] (the forward) rather than [K/128, rows] (the weight gradient).
-template <int GranM, int GranN, bool kSfaKMajor, int TileN, bool kPingpong = false>
+template <int GranM, int GranN, bool kSfaKMajor, int TileN>
 struct Config {
   using TileShape = TileShapeN<TileN>;
   using ClusterShape = fp8::ClusterShape;
-  using KernelSchedule = std::conditional_t<kPingpong,
-                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
-                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
       GranM, GranN, 128, kSfaKMajor ? cute::GMMA::Major::K : cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   static constexpr int kAlignIn = 16;  // 16 bytes of fp8
 
-  using Epilogue = EpilogueFor<TileN, kPingpong>;
+  using Epilogue = EpilogueFor<TileN>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Fp8, cute::tuple<cutlass::layout::RowMajor*, LayoutSFA*>, kAlignIn,     // A: [rows, K], K contiguous
       Fp8, cute::tuple<cutlass::layout::ColumnMajor*, LayoutSFB*>, kAlignIn,  // B: [N, K], K contiguous
       float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          kPingpong ? kEpilogueSmemPingpong : (TileN == 256 ? kEpilogueSmem256 : kEpilogueSmem128)>,
+      cutlass::gemm::collective::StageCountAutoCarveout<TileN == 256 ? kEpilogueSmem256 : kEpilogueSmem128>,
       KernelSchedule>::CollectiveOp;
-  using Mainloop = std::conditional_t<
-      kPingpong, WideTileMma<BuiltMainloop>,  // one warpgroup a 128x128 tile: two 64x128 wgmma row halves
-      std::conditional_t<TileN == 256, WideTileMma<typename WithTiledMma<BuiltMainloop, HalfTiledMma>::type>,
-                         BuiltMainloop>>;
+  using Mainloop = std::conditional_t<TileN == 256,
+                                      WideTileMma<typename WithTiledMma<BuiltMainloop, HalfTiledMma>::type>,
+                                      BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -106,7 +97,7 @@ struct Config {
 // forward and data gradient: 1x128 activations, 128x128 weights
 using RowsConfig = Config<1, 128, true, 256>;
 // weight gradient: 128x1 tiles of activations and output gradients
-using WeightGradConfig = Config<1, 1, false, 128, TM_WGRAD_PINGPONG>;
+using WeightGradConfig = Config<1, 1, false, 128>;
 
 // The per-problem device arrays the grouped kernel reads, carved from the call's workspace.
 template <typename Cfg>
