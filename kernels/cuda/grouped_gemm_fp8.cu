@@ -82,7 +82,10 @@ struct Config {
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<TileN == 256 ? kEpilogueSmem256 : kEpilogueSmem128>,
       KernelSchedule>::CollectiveOp;
-  using Mainloop = std::conditional_t<TileN == 256,
+#ifndef TM_WGRAD_OWN
+#define TM_WGRAD_OWN 0
+#endif
+  using Mainloop = std::conditional_t<TileN == 256 || (TM_WGRAD_OWN && !kSfaKMajor),
                                       WideTileMma<typename WithTiledMma<BuiltMainloop, HalfTiledMma>::type>,
                                       BuiltMainloop>;
 
