@@ -101,16 +101,7 @@ struct WideTileMma : Base {
         warpgroup_wait<0>();
         warpgroup_fence_operand(partial);
         CUTLASS_PRAGMA_UNROLL
-#ifndef TM_DIAG
-#define TM_DIAG 0
-#endif
-#if TM_DIAG == 1
-        for (int i = 0; i < size(partial); ++i) accum(i, 0, n) += partial(i) * sfa(i, 0, n);
-#elif TM_DIAG == 2
-        for (int i = 0; i < size(partial); ++i) accum(i, 0, n) += partial(i);
-#else
         for (int i = 0; i < size(partial); ++i) accum(i, 0, n) += partial(i) * (sfa(i, 0, n) * sfb(i, 0, n));
-#endif
       }
       ++smem_pipe_read;
       if (k + 1 < k_tile_count) {  // the last block's stage is released by mma_tail

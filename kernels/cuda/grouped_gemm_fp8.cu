@@ -82,10 +82,7 @@ struct Config {
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<TileN == 256 ? kEpilogueSmem256 : kEpilogueSmem128>,
       KernelSchedule>::CollectiveOp;
-#ifndef TM_WGRAD_OWN
-#define TM_WGRAD_OWN 0
-#endif
-  using Mainloop = std::conditional_t<TileN == 256 || (TM_WGRAD_OWN && !kSfaKMajor),
+  using Mainloop = std::conditional_t<TileN == 256,
                                       WideTileMma<typename WithTiledMma<BuiltMainloop, HalfTiledMma>::type>,
                                       BuiltMainloop>;
 
