@@ -37,7 +37,7 @@ using Out = cutlass::bfloat16_t;
 
 // One 128-deep K block per mainloop step: one promotion per step. Forward and data gradient use 128x256 tiles (our
 // mainloop, fp8_wide_tile_mainloop.cuh: 25% fewer L2 bytes a FLOP, +9-20% against 128x128 on an H200), the weight
-// gradient 128x128 (CUTLASS's mainloop: the wide tile measured 0-12% slower there; docs/notes/fp8.md).
+// gradient 128x128 (CUTLASS's mainloop: the wide tile measured 0-12% slower there; docs/notes/fp8-kernel.md).
 template <int TileN>
 using TileShapeN = Shape<_128, Int<TileN>, _128>;
 using ClusterShape = Shape<_1, _1, _1>;  // any N (no cluster rounding of the N tiles)
