@@ -408,6 +408,7 @@ def _unchanged(results_dir: Path, store_dir: Path, campaign: str, files: list[st
 SUPERSEDED = {
     "kernels_h200": ("kernels_h200_wgrad_order", "kernels as first delivered (2026-11-21); the only H200 pallas rows"),
     "kernels_reduced_h200": ("kernels_h200_wgrad_order", "same shapes, before the weight-gradient order change"),
+    "peers_fp8_h200": ("peers_fp8_wide_tile_h200", "FP8 rows before the wide-tile kernel and the group-column quantiser"),
 }
 
 
