@@ -92,7 +92,8 @@ OTHER_VALUES = {"cast_params_before_scan": False, "router_topk_impl": "cuda", "e
                 "expert_backward": "autodiff", "swiglu_impl": "cutlass", "router_center_ema": 0.3,
                 "router_bias_rate_start": 1e-2, "router_bias_rate_decay_steps": 100, "embedding_init_std": 0.006,
                 "router_init_std": 256 ** -0.5, "scan_layers": False, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
-                "attention_impl": "cudnn", "tie_embeddings": True, "ep_micro_batches": 2}
+                "attention_impl": "cudnn", "tie_embeddings": True, "ep_micro_batches": 2,
+                "block_micro_batches": 2}
 
 
 def test_every_removed_field_is_covered():

@@ -26,6 +26,8 @@ LOGITS_DTYPES = ("float32", "bfloat16")
 # Fields that measured A/Bs decided and removed: name -> (the behaviour kept, why). `from_dict` accepts a removed
 # field set to the kept behaviour (old records and specs), and refuses any other value with the reason.
 REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
+    "block_micro_batches": (1, "two micro-batches a MoE block (attention included) ran slower than one batch on two "
+                               "H200s: they hid ~2.5 ms of the exchange and cost ~16 ms of kernels (docs/expert-parallel.md)"),
     "ep_micro_batches": (1, "two micro-batches per MoE layer ran slower than one on two H200s: XLA overlapped the "
                             "exchange, but the half-size kernels cost more than it hid (docs/expert-parallel.md)"),
     "cast_params_before_scan": (True, "the stacked weights are always cast to the compute dtype before the layer scan"),
@@ -130,9 +132,6 @@ class ModelConfig:
     # deepep's dispatch layout (turbo_moe.ops.moe_dispatch): "auto" (dense worst-case buffers up to 4 ranks, the
     # real rows only beyond), or one of "dense" | "packed" | "ragged" to trade memory against speed.
     ep_layout: str = "auto"
-    # Each MoE block runs every device's sequences as this many micro-batches: independent chains in one scan step, so
-    # that one's exchange can run beside another's attention and experts (stack.py; docs/expert-parallel.md).
-    block_micro_batches: int = 1
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     # What a block keeps for its backward pass (the rest is recomputed): "none" everything, "full" its input,
@@ -366,8 +365,6 @@ def _validate(c: ModelConfig) -> None:
     _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
              f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
     _require(c.ep_layout in EP_LAYOUTS, "ep_layout", f"got {c.ep_layout!r}; expected one of {EP_LAYOUTS}")
-    _require(type(c.block_micro_batches) is int and c.block_micro_batches >= 1, "block_micro_batches",
-             f"must be an int >= 1 (1: one batch), got {c.block_micro_batches!r}")
     _require(c.logits_dtype in LOGITS_DTYPES, "logits_dtype", f"got {c.logits_dtype!r}; expected one of {LOGITS_DTYPES}")
     _require(c.router_recipe in ROUTER_RECIPES, "router_recipe",
              f"got {c.router_recipe!r}; expected one of {ROUTER_RECIPE_NAMES}")

@@ -18,7 +18,6 @@ from turbo_moe.model.config import ModelConfig
 from turbo_moe.model.normal_init import vmap_layers
 from turbo_moe.model.ep_exchange import EP_RECEIVED_NAME
 from turbo_moe.model.experts import RoutedExperts
-from turbo_moe.model.mesh import mesh_device_count
 from turbo_moe.model.layers import ATTENTION_SAVE_NAME, MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
 from turbo_moe.model.router import ROUTER_SAVE_NAME
@@ -87,37 +86,10 @@ def block_fn(cfg: ModelConfig, graphdef):
     return jax.checkpoint(run, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
 
 
-def micro_batched(run, n: int):
-    """`run` (h (B, S, D), *args) -> (h, LayerStats) as n independent chains over every device's sequences split
-    evenly: micro-batch j holds rows j, j + n, ... of each device's batch (a local reshape: the batch stays split
-    over the devices as it was). Nothing orders the chains, so XLA may run one's exchange beside another's compute.
-    The stats equal one batch's: loads are sums, the dropped fraction and the per-sequence balance loss means."""
-    if n == 1:
-        return run
-
-    def split_run(h, *args):
-        devices = mesh_device_count()
-        if h.shape[0] % (n * devices):
-            raise ValueError(f"ModelConfig.block_micro_batches={n}: each device's batch must divide by it; got "
-                             f"{h.shape[0]} sequences over {devices} device(s) (per_device_batch "
-                             f"{h.shape[0] / devices:g})")
-        parts = h.reshape(h.shape[0] // n, n, *h.shape[1:])
-        outs = [run(parts[:, j], *args) for j in range(n)]
-        h = jnp.stack([o[0] for o in outs], axis=1).reshape(h.shape)
-        stats = [o[1] for o in outs]
-        if stats[0] is None:
-            return h, None
-        return h, LayerStats(sum(s.expert_load for s in stats), sum(s.dropped_fraction for s in stats) / n,
-                             sum(s.balance_loss for s in stats) / n)
-
-    return split_run
-
-
 def apply_block(cfg: ModelConfig, block: DecoderBlock, h, cos, sin):
     """Run one (unstacked) block, e.g. an MTP block, rematerialised like the stacked ones."""
     graphdef, state = nnx.split(block)
-    n = cfg.block_micro_batches if block.is_moe else 1
-    return micro_batched(block_fn(cfg, graphdef), n)(h, state, cos, sin)
+    return block_fn(cfg, graphdef)(h, state, cos, sin)
 
 
 class BlockStack(nnx.Module):
@@ -145,7 +117,7 @@ class BlockStack(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
         # Cast once for all layers, not per layer inside the scan: less slicing traffic, the same values.
         state = cast_stacked_weights(self.blocks, state, jnp.dtype(self.cfg.dtype))
-        run = micro_batched(block_fn(self.cfg, graphdef), self.cfg.block_micro_batches if self.is_moe else 1)
+        run = block_fn(self.cfg, graphdef)
 
         def body(carry, layer_state):
             return run(carry, layer_state, cos, sin)

@@ -275,8 +275,6 @@ def _validate(c: TrainConfig) -> None:
     model_cfg = c.model_config()  # raises ValueError naming the ModelConfig field
     require(model_cfg.n_experts % c.expert_parallel == 0, "expert_parallel",
             f"{c.expert_parallel} does not divide the model's n_experts={model_cfg.n_experts}")
-    require(c.per_device_batch % model_cfg.block_micro_batches == 0, "per_device_batch",
-            f"{c.per_device_batch} does not divide into the model's block_micro_batches={model_cfg.block_micro_batches}")
     require(c.master_weights != "split" or (model_cfg.dtype == "bfloat16" and model_cfg.param_dtype == "float32"),
             "master_weights", f"'split' keeps float32 master weights as their bfloat16 compute copy + 16 low bits: it "
             f"needs the model's dtype 'bfloat16' and param_dtype 'float32', got {model_cfg.dtype!r} and "
