@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Run sweep specs through papermill on a GPU machine that has JAX but neither Jupyter nor internet access
 # (how the committed gpu_* sweep results were produced). What it needs, carried from a machine with PyPI:
-#   .whl/          papermill + ipykernel wheels for the GPU machine's Python (benchmarks/gpu_notes.md)
+#   .whl/          papermill + ipykernel wheels for the GPU machine's Python (3.12), made on a machine with PyPI by
+#                  pip download --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+#                    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 papermill ipykernel
+#                  then deleting the wheels of packages the GPU image already has and pandas / orbax rely on
+#                  (python_dateutil, typing_extensions, packaging, tzdata, pyyaml): 43 wheels, 17 MB (2026-11-27).
 #   $LIB_DIR       libturbo_moe_cpu.so + libturbo_moe_cuda.so built for sm_90a (default build/lead_lib)
 #   $DATA_DIR      a TURBO_MOE_DATA_DIR holding the Shakespeare cache (default build/data_cache)
 # Usage:  TURBO_MOE_GIT_COMMIT=<commit> benchmarks/gpu_sweeps.sh BUDGET_S SPEC.yaml[:GLOB] [...]
