@@ -115,3 +115,19 @@ def test_split_master_weights_need_no_term_and_auto_is_refused():
     for name in ("adam_mu_dtype", "adam_nu_dtype"):
         with pytest.raises(ValueError, match=f"{name} must be None, 'bfloat16' or 'float32' .*TrainConfig.resolved"):
             accounting.memory_prediction(cfg, 8, 2048, **{name: "auto"})
+
+
+def test_the_live_block_rebuilds_only_what_it_did_not_save():
+    """The block whose backward runs holds its saved values (counted in "saved layers") and rebuilds the rest of its
+    working set: nothing under "none", all but its input under "full", less than the whole set in between."""
+    def live(policy):
+        cfg = get_config("reduced", moe_path="turbo", remat_policy=policy)
+        working = (accounting.moe_working_set_bytes(cfg, "turbo", 8, 2048)
+                   + accounting.attention_working_set_bytes(cfg, 8, 2048))
+        return accounting.memory_prediction(cfg, 8, 2048)["live layer"], working, cfg
+
+    assert live("none")[0] == 0
+    got, working, cfg = live("full")
+    assert got == pytest.approx(working - 8 * 2048 * cfg.d_model * 2)
+    got, working, _ = live("dots_experts_attention")
+    assert 0 <= got < 0.5 * working

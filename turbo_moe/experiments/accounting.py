@@ -236,7 +236,8 @@ def activation_bytes_per_device(
     """Activation memory per device at the start of the backward pass (where training peaks):
 
     saved layers   every block's saved values (`saved_values_per_token`), MTP blocks included;
-    live layer     one block's working set, rebuilt by remat during its backward;
+    live layer     what a MoE block's backward rebuilds beyond its own saved values: its working set less those
+                   (counted once, in "saved layers"; nothing under "none", most of the set under "full");
     logits         float32 logits of the main and MTP heads, kept for the loss's backward, plus the
                    gradient of one of them; with ``loss_chunk_tokens`` (``chunked_loss``) one chunk's
                    logits (``logits_dtype``) and float32 gradient, plus each head's float32 gradients (hidden
@@ -248,6 +249,9 @@ def activation_bytes_per_device(
     saved = tokens * per_token / (mesh.pipeline * mesh.tensor)
     moe = moe_working_set_bytes(cfg, path, per_device_batch, seq_len) / mesh.tensor
     attn = attention_working_set_bytes(cfg, per_device_batch, seq_len) / mesh.tensor
+    # The recomputation does not rebuild what the block saved: a 2-layer full-width slice under
+    # dots_experts_attention measured 0.76-0.84x a prediction that counted both (docs/expert-parallel.md).
+    live = max(0.0, moe + attn - tokens * saved_values_per_token(cfg, path, True) / mesh.tensor)
     if cfg.loss_chunk_tokens:
         # a chunk spans the global batch (split over data x expert) and loss_chunk_tokens // batch positions
         positions = max(1, min(seq_len, cfg.loss_chunk_tokens // (per_device_batch * mesh.data * mesh.expert)))
@@ -257,7 +261,7 @@ def activation_bytes_per_device(
         logits = (chunk + kept) / mesh.tensor
     else:
         logits = tokens * cfg.vocab_size * 4 * (1 + cfg.mtp_depth + 1) / mesh.tensor
-    return {"saved layers": saved, "live layer": moe + attn, "logits": logits}
+    return {"saved layers": saved, "live layer": live, "logits": logits}
 
 
 def memory_prediction(cfg: ModelConfig, per_device_batch: int, seq_len: int,
