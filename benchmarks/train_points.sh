@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Training runs on a GPU machine, one process each, in the order a points file gives; each record packed under $OUT
 # as soon as its run ends (the call brings back at most 8 files: everything goes into $OUT/points.tgz).
-#   POINTS=benchmarks/points/ep_block_micro_batches.txt OUT=... bash benchmarks/train_points.sh
+#   POINTS=points.txt OUT=... bash benchmarks/train_points.sh   # a points file: the micro-batch campaign has one
 # A points file: one run a line, `LABEL GPUS JSON [K=V ...]`: the label names the record's folder, GPUS is
 # CUDA_VISIBLE_DEVICES, JSON a TrainConfig dict without spaces, K=V environment variables of that process only
 # (XLA_FLAGS, recorded in the provenance). A line ending in `&` runs in the background (points on other GPUs at

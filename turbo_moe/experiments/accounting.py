@@ -244,14 +244,15 @@ def activation_bytes_per_device(
                    and head weight) kept from the forward pass.
     """
     tokens = per_device_batch * seq_len
-    per_token = (moe_blocks_with_mtp(cfg) * saved_values_per_token(cfg, path, True)
+    moe_block_per_token = saved_values_per_token(cfg, path, True)
+    per_token = (moe_blocks_with_mtp(cfg) * moe_block_per_token
                  + cfg.n_dense_layers * saved_values_per_token(cfg, path, False))
     saved = tokens * per_token / (mesh.pipeline * mesh.tensor)
     moe = moe_working_set_bytes(cfg, path, per_device_batch, seq_len) / mesh.tensor
     attn = attention_working_set_bytes(cfg, per_device_batch, seq_len) / mesh.tensor
     # The recomputation does not rebuild what the block saved: a 2-layer full-width slice under
     # dots_experts_attention measured 0.76-0.84x a prediction that counted both (docs/expert-parallel.md).
-    live = max(0.0, moe + attn - tokens * saved_values_per_token(cfg, path, True) / mesh.tensor)
+    live = max(0.0, moe + attn - tokens * moe_block_per_token / mesh.tensor)
     if cfg.loss_chunk_tokens:
         # a chunk spans the global batch (split over data x expert) and loss_chunk_tokens // batch positions
         positions = max(1, min(seq_len, cfg.loss_chunk_tokens // (per_device_batch * mesh.data * mesh.expert)))
