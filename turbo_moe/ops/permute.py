@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,19 +10,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call, match_varying, workspace
+from turbo_moe.ops.unpermute import PermuteHandle, unpermute_call  # unpermute imports nothing of permute's
 
 
 # The `jax.ad_checkpoint.checkpoint_name` of the row index that the backward pass needs (a residual).
 ROW_INDEX_NAME = "turbo_moe_permute_row_index"
-
-
-class PermuteHandle(NamedTuple):
-    """What `unpermute` needs to bring rows back. A pytree, so it passes through jit/scan/vmap.
-
-    row_index: int32 (T, k), the row of x_sorted holding token t's j-th copy; -1 for a dropped copy.
-    """
-
-    row_index: jax.Array
 
 
 def permute(x, expert_ids, num_experts: int):
@@ -115,8 +106,6 @@ def _permute_fwd(x, expert_ids, num_experts):
 
 def _permute_bwd(num_experts, residuals, cotangents):
     row_index, x_type = residuals
-    from turbo_moe.ops.unpermute import unpermute_call
-
     d_sorted = cotangents[0]  # (T*k, H); group_sizes and row_index are integers: no gradient
     ones = jnp.ones(row_index.shape, jnp.float32)
     return match_varying(unpermute_call(d_sorted, row_index, ones), x_type), None

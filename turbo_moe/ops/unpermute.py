@@ -1,12 +1,23 @@
 """Single-device MoE combine: bring expert outputs back to token order and sum each token's copies."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call, match_varying, workspace
-from turbo_moe.ops.permute import PermuteHandle
+
+
+class PermuteHandle(NamedTuple):
+    """What `unpermute` needs to bring rows back. A pytree, so it passes through jit/scan/vmap.
+
+    row_index: int32 (T, k), the row of x_sorted holding token t's j-th copy; -1 for a dropped copy.
+    Defined here, beside its reader, so that permute imports unpermute and never the other way round.
+    """
+
+    row_index: jax.Array
 
 
 def unpermute(y_sorted, handle: PermuteHandle, weights):
