@@ -11,13 +11,12 @@ import math
 from flax import nnx
 
 from turbo_moe.model.config import ModelConfig
+from turbo_moe.model.model import DeepSeekModel
 
 
 @functools.lru_cache(maxsize=16)
 def _param_sizes(cfg: ModelConfig) -> tuple[tuple[tuple[str, ...], int], ...]:
     """(path, element count) of every nnx.Param of DeepSeekModel(cfg), from abstract shapes only."""
-    from turbo_moe.model.model import DeepSeekModel
-
     abstract = nnx.eval_shape(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))
     flat = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
     return tuple((tuple(str(p) for p in path), math.prod(var.shape)) for path, var in flat)

@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any, Mapping
 
+import yaml
+
 from turbo_moe.model.router_recipes import RECIPE_FIELDS, ROUTER_RECIPE_NAMES, ROUTER_RECIPES, RouterRecipe
 from turbo_moe.model.router_recipes import recipe_named_by
 
@@ -240,8 +242,6 @@ class ModelConfig:
     @classmethod
     def from_yaml(cls, path_or_text: str) -> "ModelConfig":
         """From a YAML file path or YAML text. A top-level `preset:` key starts from that preset."""
-        import yaml
-
         text = path_or_text
         if os.path.exists(path_or_text):
             with open(path_or_text) as f:

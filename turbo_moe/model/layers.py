@@ -176,7 +176,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "auto
     "cudnn": cuDNN with v padded; "xla": XLA's.
     """
     d_qk, d_v = q.shape[-1], v.shape[-1]
-    if impl in ("auto", "cudnn_unpadded") and d_qk != d_v and _cudnn_applies(q):
+    if impl in ("auto", "cudnn_unpadded") and d_qk != d_v and _cudnn_applies(jax.default_backend(), q.dtype):
         unpadded = _cudnn_unpadded()
         if unpadded is not None:
             q, k, v = (checkpoint_name(t, ATTENTION_SAVE_NAME) for t in (q, k, v))
@@ -192,7 +192,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "auto
         q, k, v, scale=d_qk ** -0.5, is_causal=True, implementation=implementation)
     if impl != "auto":
         return attend(impl)[..., :d_v]
-    if _cudnn_applies(q):
+    if _cudnn_applies(jax.default_backend(), q.dtype):
         try:
             return attend("cudnn")[..., :d_v]
         except (NotImplementedError, RuntimeError, ValueError):
@@ -200,8 +200,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "auto
     return attend("xla")[..., :d_v]
 
 
-def _cudnn_applies(q: jax.Array) -> bool:
-    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+def _cudnn_applies(platform: str, dtype) -> bool:
+    return platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def attention_kernel(dtype: str, platform: str) -> str:
+    """What `causal_attention`'s "auto" runs for MLA's head dims (d_v < d_qk) in `dtype` on `platform`: "cudnn_unpadded",
+    "cudnn" (this JAX lacks the unpadded entry point) or "xla"."""
+    if not _cudnn_applies(platform, dtype):
+        return "xla"
+    return "cudnn_unpadded" if _cudnn_unpadded() is not None else "cudnn"
 
 
 @functools.lru_cache(maxsize=None)

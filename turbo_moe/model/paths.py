@@ -85,6 +85,13 @@ def path_row(moe_path: str, ep_exchange: str = ONE_DEVICE) -> PathRow:
     return row
 
 
+def swiglu_kernels_on(moe_path: str, platform: str) -> bool:
+    """Whether `moe_path`'s expert block runs the fused gate/up + SwiGLU kernels on `platform` (one device): on GPUs,
+    for turbo's GEMM set behind the permute exchange (`device_gemms` with swiglu_impl "auto")."""
+    row = path_row(moe_path)
+    return platform == "gpu" and row.gemm == "turbo" and row.exchange == "permute"
+
+
 def device_gemms(row: PathRow, moe_path: str, swiglu_impl: str = "auto") -> GemmSet:
     """The row's GEMM set as the default devices run it (decided at trace time): a ValueError naming `moe_path` when
     they cannot; the fused gate/up + SwiGLU kept with swiglu_impl "kernel", and with "auto" on GPUs only (XLA's

@@ -158,11 +158,16 @@ def seq_load_penalized_selection(selection: jax.Array, bias: jax.Array, cfg: Mod
     return jnp.concatenate(out, axis=1)
 
 
-def topk_kernel_here() -> bool:
+def topk_kernel_on(platform: str) -> bool:
     """Who picks the experts: the router_topk kernel on GPUs (one FFI call, the sequence load penalty fused in),
     jnp elsewhere (the kernel's speed-up was measured on GPUs only). Both make the same picks with the same combine
     weights (tests/model/test_router_seq_load_penalty.py), so the choice is the device's, not the user's."""
-    return jax.default_backend() == "gpu"
+    return platform == "gpu"
+
+
+def topk_kernel_here() -> bool:
+    """`topk_kernel_on` JAX's default backend (tests replace this to run the other side)."""
+    return topk_kernel_on(jax.default_backend())
 
 
 def kernel_expert_ids(selection: jax.Array, bias: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_bias
+from turbo_moe.model import device_choices as model_device_choices
 from turbo_moe.model import normal_init
 from turbo_moe.model.mesh import MESH_AXES, make_mesh  # noqa: F401  (make_mesh: re-exported)
 from turbo_moe.model.router import bias_rate_at
@@ -355,19 +356,8 @@ def uninitialized_scans_on(platform: str, devices: int) -> bool:
 def device_choices(model_cfg: ModelConfig, platform: str | None = None, devices: int = 1) -> dict[str, Any]:
     """What the device-dependent defaults resolve to on `platform` (default: JAX's backend) with a mesh of `devices`,
     for the run's record: two runs that differ in one of these differ in this dict, not only in the device name."""
-    from turbo_moe.model.layers import _cudnn_unpadded
-    from turbo_moe.model.paths import path_row
-
     platform = platform or jax.default_backend()
-    gpu = platform == "gpu"
-    if not (gpu and model_cfg.dtype in ("bfloat16", "float16")):
-        attention = "xla"
-    else:
-        attention = "cudnn_unpadded" if _cudnn_unpadded() is not None else "cudnn"
-    row = path_row(model_cfg.moe_path)
-    return {"platform": platform, "attention": attention,
-            "swiglu_kernels": gpu and row.gemm == "turbo" and row.exchange == "permute",
-            "router_topk_kernel": gpu,
+    return {"platform": platform, **model_device_choices(model_cfg, platform),
             "scan_outputs_uninitialized": uninitialized_scans_on(platform, devices)}
 
 
