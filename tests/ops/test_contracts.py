@@ -70,6 +70,16 @@ def _dispatch(name, message, x=(4, 8), ids=(4, 2), xdt=F32, sx=(2, 3, 8), sxdt=F
     return Case(name, "turbo_moe_dispatch_pack", operands, results, message, attrs)
 
 
+def _fused_pack(name, message, x=(4, 8), slot=(4, 2), sxdt=F32, rows=(2, 3, 2), R=12):
+    operands = (spec(x, F32), spec((4, 2), I32), spec((4, 2), F32), spec(slot, I32), spec((2, 3), I32))
+    results = (spec((2, 3, 8), sxdt), spec(rows, I32), spec((2, 3, 2), F32))
+    return Case(name, "turbo_moe_fused_dispatch_pack", operands, results, message, dict(recv_rows=np.int64(R)))
+
+
+def _fused_land(name, message, x=(4, 8), rows=(4, 2), out=(12, 8), odt=F32):
+    return Case(name, "turbo_moe_fused_dispatch_land", (spec(x, F32), spec(rows, I32)), (spec(out, odt),), message)
+
+
 def _permute(name, message, x=(4, 8), ids=(4, 2), xdt=F32, xs=(8, 8), gs=(3,), E=3):
     operands = (spec(x, xdt), spec(ids, I32))
     results = (spec(xs, xdt), spec(gs, I32), spec(ids, I32), ws())
@@ -184,6 +194,22 @@ CASES = [
     _dispatch("dispatch_experts_bound", "dispatch_pack: num_ranks * experts_per_rank must be < 2^31", El=2**30),
     _dispatch("dispatch_results", "dispatch_pack: expected results send_x [..., P, C, H], send_ids and send_w "
               "[..., P, C, k], counts and overflow [..., P], slot [..., T, P]", counts=(3,)),
+    # ---- fused_dispatch_pack: x (T, H), ids, weights (T, k), slot (T, P), dest_base (P, El) -> (P, C, H), 2x (P, C, k)
+    _fused_pack("fused_pack_dtype", "fused_dispatch_pack: x must be float32/bfloat16/float16 and send_x the same dtype",
+                sxdt=BF16),
+    _fused_pack("fused_pack_rank", "fused_dispatch_pack: expected x [T, H], expert_ids [T, k], slot [T, P], "
+                "dest_base [P, El]", x=(1, 4, 8)),
+    _fused_pack("fused_pack_slot", "fused_dispatch_pack: expert_ids and weights must be [T, k], slot [T, P] with "
+                "dest_base's P", slot=(4, 3)),
+    _fused_pack("fused_pack_results", "fused_dispatch_pack: expected results send_x [P, C, H], send_rows and send_w "
+                "[P, C, k]", rows=(2, 4, 2)),
+    _fused_pack("fused_pack_rows_bound", "fused_dispatch_pack: P * C * k and recv_rows must be in [0, 2^31)", R=BIG),
+    # ---- fused_dispatch_land: recv_x (N, H), recv_rows (N, k) -> x_sorted (R, H)
+    _fused_land("fused_land_dtype", "fused_dispatch_land: recv_x must be float32/bfloat16/float16 and x_sorted the "
+                "same dtype", odt=F16),
+    _fused_land("fused_land_shape", "fused_dispatch_land: expected recv_x [N, H], recv_rows [N, k], x_sorted [R, H]",
+                rows=(3, 2)),
+    _fused_land("fused_land_bound", "fused_dispatch_land: R and N * k must be < 2^31", x=(4, 0), out=(BIG, 0)),
     # ---- router_topk: selection (B, S, E), bias (E,) -> expert_ids (B, S, k)
     _router("router_bias", "router_topk: bias must have E entries like selection's last dim", bias=(7,)),
     _router("router_ids", "router_topk: expert_ids must be [..., B, S, top_k]", ids=(2, 3, 3)),
@@ -211,7 +237,8 @@ CASES = [
 ]
 
 # Every FFI target has its contract exercised.
-assert {c.target for c in CASES} == set(_ffi.TARGETS), set(_ffi.TARGETS) - {c.target for c in CASES}
+ALL_TARGETS = set(_ffi.TARGETS + _ffi.CPU_ONLY_TARGETS)
+assert {c.target for c in CASES} == ALL_TARGETS, ALL_TARGETS - {c.target for c in CASES}
 
 
 def handler_message(error: Exception) -> str:

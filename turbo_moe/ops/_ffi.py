@@ -36,6 +36,8 @@ TARGETS = (
 )
 # Hopper-only handlers: the CUDA library has them (when built with CUTLASS); the CPU runs these ops in jnp.
 CUDA_ONLY_TARGETS = ("turbo_moe_grouped_gemm_fp8", "turbo_moe_grouped_gemm_fp8_weight_grad")
+# CPU-only handlers: the fused EP dispatch's CPU reference (its GPU transport is planned: docs/notes/ep-transport.md).
+CPU_ONLY_TARGETS = ("turbo_moe_fused_dispatch_pack", "turbo_moe_fused_dispatch_land")
 CPU_LIBRARY = "libturbo_moe_cpu.so"
 CUDA_LIBRARY = "libturbo_moe_cuda.so"
 
@@ -63,7 +65,7 @@ def _register(path: Path, platform: str, required: bool) -> list[str]:
     """Registers the targets `path` exports; a required library must export all of them."""
     lib = ctypes.CDLL(str(path))
     missing = []
-    for target in TARGETS + (CUDA_ONLY_TARGETS if platform == "CUDA" else ()):
+    for target in TARGETS + (CUDA_ONLY_TARGETS if platform == "CUDA" else CPU_ONLY_TARGETS):
         symbol = getattr(lib, target, None)
         if symbol is None:
             missing.append(target)
