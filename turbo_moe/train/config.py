@@ -41,7 +41,8 @@ REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
 _NU_ROUNDINGS_KEPT = ("auto", "stochastic")
 # The two moments' dtypes, one field since both are stored alike (DeepSeek-V3 keeps both in bfloat16).
 _MOMENT_NAMES = ("adam_mu_dtype", "adam_nu_dtype")
-_TOP_FIELDS = ("model", "model_overrides", "steps", "seed", "eval_every", "eval_batches", "log_every", "progress")
+_TOP_FIELDS = ("model", "model_overrides", "steps", "seed", "eval_every", "eval_batches", "log_every", "progress",
+               "deterministic")
 # Every name `from_dict` takes flat, the older spellings included (the constructor takes all but MaxText's top-level
 # remat_policy, which `from_dict` moves into model_overrides).
 FIELD_NAMES = (*_TOP_FIELDS, *FLAT_FIELDS, *_MOMENT_NAMES, "seq_len", "remat_policy")
@@ -63,6 +64,10 @@ class TrainConfig:
     eval_batches: int = 4  # 0: never evaluate (throughput runs skip compiling the eval step)
     log_every: int = 1
     progress: bool = True
+    # The same config twice gives the same bits on the GPU (losses, gradients, parameters): every program compiles with
+    # XLA's deterministic ops (turbo_moe/train/determinism.py; its cost in docs/notes/determinism.md). The CPU always
+    # repeats.
+    deterministic: bool = False
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -70,8 +75,9 @@ class TrainConfig:
 
     def __init__(self, model: str | ModelConfig = "tiny", *, model_overrides: Mapping[str, Any] | None = None,
                  steps: int = 50, seed: int = 0, eval_every: int = 25, eval_batches: int = 4, log_every: int = 1,
-                 progress: bool = True, optimizer: OptimizerConfig | None = None, data: DataConfig | None = None,
-                 parallel: ParallelConfig | None = None, checkpoint: CheckpointConfig | None = None, **flat: Any):
+                 progress: bool = True, deterministic: bool = False, optimizer: OptimizerConfig | None = None,
+                 data: DataConfig | None = None, parallel: ParallelConfig | None = None,
+                 checkpoint: CheckpointConfig | None = None, **flat: Any):
         overrides = {} if model_overrides is None else model_overrides
         require(isinstance(overrides, Mapping), "model_overrides",
                 f"must be a mapping, got {type(overrides).__name__}")
@@ -91,7 +97,7 @@ class TrainConfig:
             object.__setattr__(self, group, sub)
         for name, value in (("model", model), ("model_overrides", overrides), ("steps", steps), ("seed", seed),
                             ("eval_every", eval_every), ("eval_batches", eval_batches), ("log_every", log_every),
-                            ("progress", progress)):
+                            ("progress", progress), ("deterministic", deterministic)):
             object.__setattr__(self, name, value)
         _validate(self)
 
@@ -266,6 +272,7 @@ def _validate(c: TrainConfig) -> None:
         require_int(getattr(c, name), name, 0)
     require(c.seed < 2**63, "seed", f"must be below 2**63 (jax.random.key takes a 64-bit int), got {c.seed!r}")
     require(isinstance(c.progress, bool), "progress", f"must be a bool, got {c.progress!r}")
+    require(isinstance(c.deterministic, bool), "deterministic", f"must be a bool, got {c.deterministic!r}")
     require(c.lr_schedule_steps is None or c.lr_schedule_steps >= c.steps, "lr_schedule_steps",
             f"must be None or an int >= steps={c.steps}, got {c.lr_schedule_steps!r}")
     require(c.warmup_steps <= c.schedule_steps, "warmup_steps",

@@ -23,6 +23,7 @@ from turbo_moe.train import metrics as M
 from turbo_moe.train.checkpoint import Checkpointer
 from turbo_moe.train.compilation_cache import ensure_on as compilation_cache_on
 from turbo_moe.train.config import TrainConfig
+from turbo_moe.train.determinism import state_digest
 from turbo_moe.train.distributed import batch_share
 from turbo_moe.train.progress import RunProgress, summary_line
 from turbo_moe.train.result import RunResult
@@ -170,6 +171,8 @@ class _Trainer:
             if pending is None and not is_last:
                 t_prev = time.perf_counter()  # evaluation/checkpointing are not part of step time
                 pending = dispatch(state, done)
+        if tc.deterministic:  # what two runs of one config compare, with their losses and gradient norms
+            self.result.summary["state_digest"] = state_digest(state)
 
     def _enter(self, phase: str) -> None:
         now = time.perf_counter()

@@ -27,6 +27,7 @@ from turbo_moe.model import normal_init
 from turbo_moe.model.mesh import MESH_AXES, make_mesh  # noqa: F401  (make_mesh: re-exported)
 from turbo_moe.model.router import bias_rate_at
 from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train state's layout, re-exported)
+from turbo_moe.train import determinism
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.init_program import InitProgram
 from turbo_moe.train.low_precision_adam import with_adam_nu_dtype
@@ -263,12 +264,16 @@ class Program:
     refresh_compute: Callable | None = None
 
 
-def compiler_options(gpu_autotune_level: int | None) -> dict | None:
-    """Per-program XLA options. On the GPU, autotune level 0 skips timing GEMM variants at compile time:
-    faster compiles, much slower steps without an autotune cache (docs/configuration.md)."""
-    if gpu_autotune_level is None or jax.default_backend() != "gpu":
-        return None
-    return {"xla_gpu_autotune_level": gpu_autotune_level}
+def compiler_options(gpu_autotune_level: int | None, deterministic: bool = False,
+                     platform: str | None = None) -> dict | None:
+    """Per-program XLA options on `platform` (default: JAX's backend). On the GPU, autotune level 0 skips timing GEMM
+    variants at compile time: faster compiles, much slower steps without an autotune cache (docs/configuration.md);
+    `deterministic` (TrainConfig.deterministic): XLA's deterministic ops (turbo_moe.train.determinism)."""
+    platform = platform or jax.default_backend()
+    options = determinism.compiler_options(deterministic, platform)
+    if gpu_autotune_level is not None and platform == "gpu":
+        options["xla_gpu_autotune_level"] = gpu_autotune_level
+    return options or None
 
 
 def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module, split: bool = False) -> ComputeCast:
@@ -292,9 +297,10 @@ def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module, split: bool
 def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
                   fsdp: bool = True, gpu_autotune_level: int | None = None,
                   scan_outputs_uninitialized: bool | None = None, cast_params_in_update: bool = False,
-                  split_master: bool = False, offload_optimizer: bool = False) -> Program:
+                  split_master: bool = False, offload_optimizer: bool = False, deterministic: bool = False) -> Program:
     """The jitted programs of one configuration; `split_master` is `TrainConfig.master_weights == "split"`,
-    `offload_optimizer` `TrainConfig.optimizer_state_memory == "host"` (turbo_moe.train.offload).
+    `offload_optimizer` `TrainConfig.optimizer_state_memory == "host"` (turbo_moe.train.offload), `deterministic`
+    `TrainConfig.deterministic` (turbo_moe.train.determinism).
     scan_outputs_uninitialized None: on GPU meshes wherever this JAX allows it (`scan_outputs.supported`), as runs do;
     cast_params_in_update: a test reference for the split layout (runs never set it)."""
     if not isinstance(split_master, bool) or not isinstance(cast_params_in_update, bool):
@@ -307,7 +313,8 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     if split_master and cast_params_in_update:
         raise ValueError("build_program: split_master (TrainConfig.master_weights='split') already keeps the bf16 "
                          "compute copy in the state: pass cast_params_in_update=False")
-    options = compiler_options(gpu_autotune_level)
+    platform = mesh.devices.flat[0].platform
+    options = compiler_options(gpu_autotune_level, deterministic, platform)
     key = jax.random.key(0)
     abstract_model = nnx.eval_shape(lambda: DeepSeekModel(model_cfg, rngs=nnx.Rngs(key)))  # no allocation
     cast = compute_cast(model_cfg, abstract_model, split_master) if cast_params_in_update or split_master else None
@@ -334,6 +341,8 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
         scan_outputs_uninitialized = uninitialized_scans_here(mesh)
     if scan_outputs_uninitialized:
         train, evaluate = LoweredWithUninitializedScans(train), LoweredWithUninitializedScans(evaluate)
+    if deterministic and platform == "gpu":  # cuDNN attention's backward marked deterministic before XLA compiles it
+        train = determinism.DeterministicAttention(train)
     refresh = None
     if cast is not None and not cast.split:
         refresh = jax.jit(lambda state: state._replace(compute=compute_copy(state.params, cast)),
@@ -364,9 +373,12 @@ def device_choices(model_cfg: ModelConfig, platform: str | None = None, devices:
 def program_for(tc: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> Program:
     """`build_program` with every program switch of `tc` (resolved for the mesh's devices): the one place a new
     switch is passed on."""
-    tc = tc.resolved(mesh.devices.flat[0].platform)
+    platform = mesh.devices.flat[0].platform
+    tc = tc.resolved(platform)
+    if platform == "gpu":
+        determinism.check_xla_flags(tc.deterministic)
     return build_program(model_cfg, make_optimizer(tc), mesh, tc.fsdp, None, None, False, tc.master_weights == "split",
-                         tc.optimizer_state_memory == "host")
+                         tc.optimizer_state_memory == "host", tc.deterministic)
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> dict:
