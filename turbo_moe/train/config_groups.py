@@ -100,10 +100,19 @@ class DataConfig:
     val_fraction: float = 0.05
     per_device_batch: int = 8
     data_dir: str | None = None  # None: $TURBO_MOE_DATA_DIR or ~/.cache/turbo_moe
+    # None: a byte-level BPE trained on the corpus at the model's vocab_size; else a tokenizer.json path or a Hugging
+    # Face Hub name (turbo_moe/data/dataset.py), whose vocabulary must fit the model's vocab_size. Text datasets only.
+    tokenizer: str | None = None
 
     def __post_init__(self):
-        for name in ("dataset", "data_dir"):
+        for name in ("dataset", "data_dir", "tokenizer"):
             object.__setattr__(self, name, _path_or_none(getattr(self, name)))
+        require(self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer != ""), "tokenizer",
+                f"must be None, a tokenizer.json path or a Hugging Face Hub name, got {self.tokenizer!r}")
+        require(self.tokenizer is None or (self.dataset != "synthetic" and Path(self.dataset).suffix not in
+                                           (".npy", ".bin")), "tokenizer",
+                f"must be None for dataset {self.dataset!r}: synthetic tokens and token-id files (.npy/.bin) are "
+                f"tokenised already, got {self.tokenizer!r}")
         require(isinstance(self.dataset, str) and self.dataset != "", "dataset",
                 f"must be 'shakespeare', 'synthetic' or a path, got {self.dataset!r}")
         require(isinstance(self.text_field, str) and self.text_field != "", "text_field",

@@ -114,7 +114,8 @@ def _prepare_data(config: TrainConfig, process_id: int) -> None:
 
     if process_id == 0 and config.dataset != "synthetic":
         load_dataset(config.dataset, seq_len=config.resolved_seq_len, vocab_size=config.model_config().vocab_size,
-                     data_dir=config.data_dir, text_field=config.text_field, val_fraction=config.val_fraction)
+                     data_dir=config.data_dir, text_field=config.text_field, val_fraction=config.val_fraction,
+                     tokenizer=config.tokenizer)
     multihost_utils.sync_global_devices("turbo-moe train: dataset prepared")
 
 

@@ -46,7 +46,8 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
     progress = RunProgress(f"train {model_cfg.moe_path}", tc.steps, enabled=tc.progress and jax.process_index() == 0)
     try:
         dataset = load_dataset(tc.dataset, seq_len=tc.resolved_seq_len, vocab_size=model_cfg.vocab_size,
-                               data_dir=tc.data_dir, text_field=tc.text_field, val_fraction=tc.val_fraction)
+                               data_dir=tc.data_dir, text_field=tc.text_field, val_fraction=tc.val_fraction,
+                               tokenizer=tc.tokenizer)
     except BaseException:
         progress.close()
         raise
