@@ -2,10 +2,11 @@
 expert GEMMs on turbo_moe (turbo_moe.integrations.maxtext) as with MaxText's jax.lax.ragged_dot.
 
 Needs `maxtext` (Python >= 3.12, not in the [dev] extra: it pulls aqtp, qwix, tokamax, grain, transformers, ...);
-skipped where it does not import."""
+those tests are skipped where it does not import."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -14,20 +15,34 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-moe = pytest.importorskip("maxtext.layers.moe", reason="maxtext is not installed (pip install maxtext==0.2.5 "
-                          "--no-deps, plus aqtp qwix tokamax grain transformers pathwaysutils drjax jinja2 pillow, "
-                          "on Python >= 3.12)")
-from flax import nnx  # noqa: E402
-from flax.linen import partitioning as nn_partitioning  # noqa: E402
+from turbo_moe.integrations import maxtext as turbo_maxtext
 
-import maxtext  # noqa: E402
-from maxtext.configs import pyconfig  # noqa: E402
-from maxtext.layers.initializers import nd_dense_init  # noqa: E402
-from maxtext.utils import maxtext_utils  # noqa: E402
+try:
+    import maxtext
+    import maxtext.layers.moe as moe
+    from flax import nnx
+    from flax.linen import partitioning as nn_partitioning
+    from maxtext.configs import pyconfig
+    from maxtext.layers.initializers import nd_dense_init
+    from maxtext.utils import maxtext_utils
+except ImportError:
+    maxtext = None
+needs_maxtext = pytest.mark.skipif(maxtext is None, reason="maxtext is not installed (pip install maxtext==0.2.5 "
+                                   "--no-deps, plus aqtp qwix tokamax grain transformers pathwaysutils drjax jinja2 "
+                                   "pillow, on Python >= 3.12)")
 
-from turbo_moe.integrations import maxtext as turbo_maxtext  # noqa: E402
 
-BASE_YML = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+def test_enable_without_maxtext_says_what_to_install(monkeypatch):
+    """Where MaxText does not import, enable() raises one ImportError naming the package to install."""
+    turbo_maxtext.disable()
+    for name in ("maxtext", "maxtext.layers", "maxtext.layers.moe"):
+        monkeypatch.setitem(sys.modules, name, None)  # what a missing package looks like to import
+    with pytest.raises(ImportError, match=r"needs MaxText, which is not installed .*pip install maxtext==0\.2\.5"):
+        turbo_maxtext.enable()
+    assert not turbo_maxtext.is_enabled()
+
+
+BASE_YML = maxtext and os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
 TINY = dict(num_experts=8, num_experts_per_tok=2, base_emb_dim=32, base_moe_mlp_dim=24, base_mlp_dim=24,
             per_device_batch_size=2, max_target_length=16, dtype="float32", weight_dtype="float32",
             matmul_precision="highest", capacity_factor=-1.0, sparse_matmul=True)
@@ -87,6 +102,7 @@ def reference():
     return layer_and_grads(cfg, 1)
 
 
+@needs_maxtext
 @pytest.mark.parametrize("kernel", ["ragged_dot", "megablox", "tokamax"])
 def test_same_outputs_and_gradients_on_turbo(reference, kernel):
     keys = dict(ragged_dot=dict(megablox=False, use_tokamax_gmm=False),
@@ -107,6 +123,7 @@ def test_same_outputs_and_gradients_on_turbo(reference, kernel):
     assert_same(d_params, ref_d_params, "d_params")
 
 
+@needs_maxtext
 @pytest.mark.parametrize("exchange", ["ring_of_experts", "ragged_all_to_all"])
 def test_expert_parallel_gemms_on_turbo(exchange):
     """EP=2 over two devices: the GEMMs inside MaxText's shard_map run on turbo and give MaxText's own results.
@@ -130,6 +147,7 @@ def test_expert_parallel_gemms_on_turbo(exchange):
         assert_same(a, b, name)
 
 
+@needs_maxtext
 def test_disable_restores_maxtexts_modules():
     before = {n: getattr(moe, n) for n in ("jax", "mblx", "tokamax")}
     with turbo_maxtext.grouped_gemm():
@@ -141,6 +159,7 @@ def test_disable_restores_maxtexts_modules():
     assert {n: getattr(moe, n) for n in before} == before
 
 
+@needs_maxtext
 def test_quantized_or_unknown_calls_fall_back():
     """A call turbo cannot take as asked (here integer operands) runs MaxText's own kernel and is counted."""
     with turbo_maxtext.grouped_gemm():

@@ -151,6 +151,16 @@ def _make_sparse_matmul(original):
     return sparse_matmul
 
 
+def _maxtext_moe() -> types.ModuleType:
+    """maxtext.layers.moe, or an ImportError that says what to install."""
+    try:
+        return importlib.import_module(MOE_MODULE)
+    except ImportError as error:
+        raise ImportError(f"turbo_moe.integrations.maxtext needs MaxText, which is not installed ({error}): install "
+                          f"it with `pip install maxtext==0.2.5` (Python >= 3.12; the version this integration is "
+                          f"written against) in the environment that runs MaxText") from error
+
+
 def enable(ep_weights: str = "fused") -> None:
     """Route MaxText's MoE expert GEMMs (and, under expert parallelism, its exchange) through turbo_moe until
     `disable()`. Idempotent for the same options (other options: a ValueError). Raises ImportError (naming the module) where
@@ -164,7 +174,7 @@ def enable(ep_weights: str = "fused") -> None:
             raise ValueError(f"ep_weights: enable() is already on with ep_weights={_ep_options.get('ep_weights')!r}; "
                              f"call disable() before enabling it with {ep_weights!r}")
         return
-    moe = importlib.import_module(MOE_MODULE)
+    moe = _maxtext_moe()
     missing = [n for n in _PATCHED_NAMES if not isinstance(getattr(moe, n, None), types.ModuleType)]
     if missing:
         raise RuntimeError(f"{MOE_MODULE} has no module-level {missing}: this maxtext version does not call its "
