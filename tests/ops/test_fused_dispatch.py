@@ -185,6 +185,8 @@ def test_bad_arguments_are_named():
         trace(dispatch(recv_rows=17))
     with pytest.raises(ValueError, match=r"recv_rows must be in \[1, 16\]"):
         trace(dispatch(recv_rows=0))
+    with pytest.raises(TypeError, match="weights must be a float array"):
+        trace(lambda x, ids, w: fused_dispatch(x, ids, ids, num_experts=6, axis_name="expert")[0])
     with pytest.raises(ValueError, match="disagree"):
         trace(lambda x, ids, w: fused_dispatch(x, ids, w[:, :1], num_experts=6, axis_name="expert")[0])
 

@@ -102,6 +102,8 @@ def fused_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, 
     _checks.check_rank("weights", weights, 2, "(T, k)")
     _checks.check_integer("expert_ids", expert_ids)
     _checks.float_dtype("x", x.dtype)
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise TypeError(f"weights must be a float array (T, k), got dtype {weights.dtype}")
     T, k = expert_ids.shape
     if x.shape[0] != T or weights.shape != (T, k):
         raise ValueError(f"x (T, H), expert_ids (T, k) and weights (T, k) disagree: {x.shape}, {expert_ids.shape}, "
@@ -112,6 +114,8 @@ def fused_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, 
         raise ValueError(f"num_experts={num_experts} must be divisible by the size {P} of mesh axis {axis_name!r}")
     C = T if capacity is None else _checks.static_int("capacity", capacity, maximum=T)
     worst = worst_case_rows(P, C, k)
+    if worst > _checks.INT32_MAX:  # rows travel as int32
+        raise ValueError(f"the receive buffer's worst case P*C*k = {P}*{C}*{k} rows must be < 2^31: cap capacity")
     R = worst if recv_rows is None else _checks.static_int("recv_rows", recv_rows, maximum=worst)
     if jax.default_backend() != "cpu":
         raise NotImplementedError("fused_dispatch has only its CPU reference so far; the GPU transport is planned in "
