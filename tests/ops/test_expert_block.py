@@ -225,8 +225,10 @@ def test_bad_arguments_name_themselves():
         block(tokens, ids, combine_w, w_gu[:, :8], w_down)
     with pytest.raises(ValueError, match=r"w_gate_up must be \(E, D, 2F\) with D = 20 .* even 2F"):
         block(tokens, ids, combine_w, w_gu[..., :25], w_down)
-    with pytest.raises(ValueError, match=r"w_down must be \(E, F, D\) = \(6, 13, 20\)"):
+    with pytest.raises(ValueError, match=r"w_down must be \(E, F, D\) with E = 6 and D = 20"):
         block(tokens, ids, combine_w, w_gu, w_down[:5])
+    with pytest.raises(ValueError, match=r"w_gate_up's last dimension must be 2F = 26 .* got 24"):
+        block(tokens, ids, combine_w, w_gu[..., :24], w_down)
     with pytest.raises(TypeError, match="w_down must have w_gate_up's dtype"):
         block(tokens, ids, combine_w, w_gu, w_down.astype(jnp.bfloat16))
     with pytest.raises(TypeError, match="must have tokens' dtype float32"):
@@ -237,3 +239,16 @@ def test_bad_arguments_name_themselves():
         block(tokens, ids, combine_w, w_gu, w_down, gemms="einsum")
     with pytest.raises(ValueError, match=r"w_gate_up must be \(E, D, 2F\) with D = 20"):
         ops.expert_ffn(tokens, w_gu[:, :8], w_down, jnp.zeros((6,), jnp.int32))
+
+
+def test_fp8_widths_are_checked_at_trace_time():
+    """The fp8 set's GEMMs need K and N multiples of 128 (its scale tiles): a ValueError naming the argument, before
+    any kernel runs (under jit too)."""
+    (tokens, ids, combine_w, w_gu, w_down), _ = make_case()  # D = 20
+    with pytest.raises(ValueError, match=r"tokens: gemms='fp8' needs D a multiple of 128 .* got D = 20"):
+        jax.jit(ops.expert_block, static_argnames="gemms")(tokens, ids, combine_w, w_gu, w_down, gemms="fp8")
+    (tokens, ids, combine_w, w_gu, w_down), _ = make_case(d=128)  # F = 13
+    with pytest.raises(ValueError, match=r"w_down: gemms='fp8' needs F a multiple of 128 .* got F = 13"):
+        ops.expert_block(tokens, ids, combine_w, w_gu, w_down, gemms="fp8")
+    with pytest.raises(ValueError, match="w_down: gemms='fp8' needs F"):
+        ops.expert_ffn(tokens, w_gu, w_down, jnp.zeros((6,), jnp.int32), gemms="fp8")

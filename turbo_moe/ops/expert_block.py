@@ -80,8 +80,9 @@ def _swiglu_bwd(h, d_act):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def _check_weights(w_gate_up, w_down, width: int, width_name: str) -> None:
-    """w_gate_up (E, D, 2F) and w_down (E, F, D) of one float dtype, D = `width` (the rows' last dim)."""
+def _check_weights(w_gate_up, w_down, width: int, width_name: str, gemms: GemmSet) -> None:
+    """w_gate_up (E, D, 2F) and w_down (E, F, D) of one float dtype, D = `width` (the rows' last dim), D and F
+    multiples of the set's `width_multiple`."""
     _checks.check_rank("w_gate_up", w_gate_up, 3, "(E, D, 2F)")
     _checks.check_rank("w_down", w_down, 3, "(E, F, D)")
     _checks.float_dtype("w_gate_up", w_gate_up.dtype)
@@ -91,9 +92,18 @@ def _check_weights(w_gate_up, w_down, width: int, width_name: str) -> None:
     if d != width or f2 % 2:
         raise ValueError(f"w_gate_up must be (E, D, 2F) with D = {width} ({width_name}) and an even 2F = "
                          f"[gate | up], got {w_gate_up.shape}")
-    if w_down.shape != (e, f2 // 2, d):
-        raise ValueError(f"w_down must be (E, F, D) = {(e, f2 // 2, d)} for w_gate_up {w_gate_up.shape}, "
+    if (w_down.shape[0], w_down.shape[2]) != (e, d):
+        raise ValueError(f"w_down must be (E, F, D) with E = {e} and D = {d} like w_gate_up {w_gate_up.shape}, "
                          f"got {w_down.shape}")
+    f = w_down.shape[1]
+    if f2 != 2 * f:  # each could be the wrong one: name both, the gate/up width first
+        raise ValueError(f"w_gate_up's last dimension must be 2F = {2 * f} ([gate | up] for w_down (E, F, D) "
+                         f"{w_down.shape}), got {f2} (w_gate_up {w_gate_up.shape})")
+    m = gemms.width_multiple
+    for name, size, what in ((width_name, d, "D"), ("w_down (E, F, D)", f, "F")):
+        if size % m:
+            raise ValueError(f"{name.split()[0]}: gemms={gemms.name!r} needs {what} a multiple of {m} (its GEMMs' "
+                             f"K and N), got {what} = {size} ({name})")
 
 
 def expert_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array | None,
@@ -108,7 +118,7 @@ def expert_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_s
     _checks.float_dtype("rows", rows.dtype)
     if rows.ndim < 2:
         raise ValueError(f"rows must be (M, D) (or slots (E, ..., D)), got shape {rows.shape}")
-    _check_weights(w_gate_up, w_down, rows.shape[-1], "rows (M, D)")
+    _check_weights(w_gate_up, w_down, rows.shape[-1], "rows (M, D)", gemms)
     if rows.dtype != w_gate_up.dtype:
         raise TypeError(f"rows ({rows.dtype}) and w_gate_up ({w_gate_up.dtype}) must have one dtype")
     rows = saved(rows, EXPERT_SAVE_NAMES[0])
@@ -131,8 +141,10 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
       expert_ids: (T, k) integer, the experts of each token's k copies; an id outside [0, E) drops that copy.
       combine_w: (T, k) float, each copy's combine weight (computed in float32).
       w_gate_up: (E, D, 2F) = [gate | up], w_down: (E, F, D), in tokens' dtype.
-      gemms: a `GemmSet` or its name in `GEMM_SETS` ("turbo", "pallas", "ragged_dot"). A set with
-        `gate_up_swiglu` runs the fused kernels (`without_fused_swiglu()` leaves SwiGLU to XLA).
+      gemms: a `GemmSet` or its name in `GEMM_SETS`: "turbo" (our FFI kernels, fused SwiGLU), "ragged_dot"
+        (`jax.lax.ragged_dot`), "pallas" (Pallas Mosaic-GPU, Hopper only) or "fp8" (`grouped_gemm_fp8`, D and F
+        multiples of 128); not "einsum", the batched einsum of the capacity path's slots (`expert_ffn` takes it). A
+        set with `gate_up_swiglu` runs the fused kernels (`without_fused_swiglu()` leaves SwiGLU to XLA).
     Returns:
       y (T, D) in tokens' dtype, y[t] = sum_j combine_w[t, j] * expert_{ids[t, j]}(tokens[t]), and group_sizes
       (E,) int32 (copies per expert). Differentiable in tokens, combine_w and both weights.
@@ -140,7 +152,7 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
     gemms = gemm_set(gemms)
     if gemms.name == "einsum":
         raise ValueError("gemms: the 'einsum' set multiplies capacity slots, not expert-sorted rows; use 'turbo', "
-                         "'pallas' or 'ragged_dot'")
+                         "'ragged_dot', 'pallas' or 'fp8'")
     _checks.check_rank("tokens", tokens, 2, "(T, D)")
     _checks.float_dtype("tokens", tokens.dtype)
     _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
@@ -150,7 +162,7 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
                          f"got {expert_ids.shape} and {jnp.shape(combine_w)}")
     if not jnp.issubdtype(combine_w.dtype, jnp.floating):
         raise TypeError(f"combine_w must be a float array (T, k), got dtype {combine_w.dtype}")
-    _check_weights(w_gate_up, w_down, tokens.shape[1], "tokens (T, D)")
+    _check_weights(w_gate_up, w_down, tokens.shape[1], "tokens (T, D)", gemms)
     if w_gate_up.dtype != tokens.dtype:
         raise TypeError(f"w_gate_up and w_down must have tokens' dtype {tokens.dtype}, got {w_gate_up.dtype}")
     n_experts = w_gate_up.shape[0]

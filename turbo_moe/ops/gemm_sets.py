@@ -49,6 +49,8 @@ class GemmSet:
     # Why the default devices cannot run the set, or None: checked at trace time (`unavailable`).
     device_problem: Callable[[], "str | None"] = lambda: None
     permute_forward: Callable | None = None
+    # K and N of every GEMM (the FFN's widths D and F) must be multiples of this (fp8: its 128-wide scale tiles).
+    width_multiple: int = 1
 
     def without_fused_swiglu(self) -> "GemmSet":
         """The same GEMMs with SwiGLU left to XLA (`ModelConfig`'s CPU default: its fusion is faster there)."""
@@ -128,7 +130,7 @@ GEMM_SETS: dict[str, GemmSet] = {s.name: s for s in (
     _set("ragged_dot", _ragged_dot_forward),
     _set("pallas", _pallas_forward, device_problem=_pallas_problem),
     _set("einsum", _einsum_forward),
-    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward),
+    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward, width_multiple=128),
 )}
 
 
