@@ -140,7 +140,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="turbo-moe", description="Run notebook sweeps (papermill) and draw the report.")
+    parser = argparse.ArgumentParser(prog="turbo-moe", description="Train a config (train; launch: one process per "
+                                     "GPU), run notebook sweeps (papermill) and draw the report.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sweep_parser(sub)
     _add_report_parser(sub)
