@@ -75,16 +75,6 @@ def mark_attention_deterministic(module) -> int:
     return len(calls)
 
 
-def unmarked_attention_backwards(hlo_text: str) -> int:
-    """fMHA backward calls of a compiled program's HLO text whose config lacks `force_deterministic`: each would be
-    run non-deterministically, or crash at its first step (the bug above)."""
-    count = 0
-    for line in hlo_text.splitlines():
-        if 'custom_call_target="__cudnn$fmha' in line and "Backward" in line:
-            count += '"force_deterministic":true' not in line.replace(" ", "")
-    return count
-
-
 class DeterministicAttention:
     """A jitted program whose lowering has every cuDNN attention backward marked deterministic
     (`mark_attention_deterministic`): `.lower(...)` returns the marked lowering; a call compiles once (for the
