@@ -1,4 +1,5 @@
-"""The ``turbo-moe`` console script: ``turbo-moe sweep SPEC.yaml`` and ``turbo-moe report``."""
+"""The ``turbo-moe`` console script: ``train`` and ``launch`` (a training config, in its run folder), ``sweep``
+(a notebook over a grid of parameters) and ``report`` (the figures from the results)."""
 
 from __future__ import annotations
 
@@ -30,49 +31,63 @@ def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="draw the report figures from experiments/results/")
-    p.add_argument("--experiments-dir", type=Path, default=Path("experiments"),
-                   help="folder holding results/ and figures/ (default: ./experiments)")
-    p.add_argument("--notebook", type=Path, default=Path("notebooks/04_report.ipynb"),
-                   help="report notebook executed through papermill")
+    p = sub.add_parser("report", help="draw the report: the committed results and this machine's runs")
+    p.add_argument("--experiments-dir", type=Path,
+                   help="folder holding results/, store/ and runs/ (default: this clone's experiments/)")
+    p.add_argument("--notebook", type=Path,
+                   help="report notebook executed through papermill (default: this clone's notebooks/04_report.ipynb)")
     p.add_argument("--kernel", default=DEFAULT_KERNEL, help="Jupyter kernel name (default: turbo-moe)")
     p.add_argument("--no-notebook", action="store_true",
                    help="draw the figures in this process instead of executing the notebook")
+    p.add_argument("--publish", action="store_true",
+                   help="ingest results/ into the committed store/ and draw figures/ and docs/results.md from it "
+                        "alone (default: ingest into runs/store/ and draw both stores into runs/report/, git-ignored)")
 
 
 def _add_train_parsers(sub: argparse._SubParsersAction) -> None:
     sets = dict(action="append", default=[], metavar="KEY=VALUE",
                 help="replace one config value after the file is read: a field (steps=20) or a dotted path "
                      "(model_overrides.moe_path=turbo); the value is read as YAML; repeatable")
+    outputs = [
+        ("--out", dict(type=Path, metavar="DIR", help="the run folder: record.json, history.csv, TensorBoard events, "
+                       "checkpoint/ (default: a new runs/<config name>-<n>); resume=true continues the run in it")),
+        ("--record", dict(type=Path, metavar="PATH", help="write the record (JSON) here instead of <run folder>/"
+                          "record.json")),
+        ("--overwrite", dict(action="store_true", help="replace the run already in --out (its record, curves, "
+                             "events and checkpoint) instead of refusing")),
+    ]
     p = sub.add_parser("train", help="run one training config (one process, or one of a jax.distributed job)")
     p.add_argument("config", type=Path, help="TrainConfig YAML, e.g. experiments/configs/tiny.yaml")
     p.add_argument("--set", dest="sets", **sets)
-    p.add_argument("--record", type=Path, help="where process 0 writes the run's record (JSON; default: "
-                   "<checkpoint_dir>/record.json, else runs/<config name>.json)")
+    for flag, kwargs in outputs:
+        p.add_argument(flag, **kwargs)
     p = sub.add_parser("launch", help="run one training config as one process per GPU (or per CPU device group) "
                        "of this host")
     p.add_argument("config", type=Path, help="TrainConfig YAML, e.g. experiments/configs/reduced.yaml")
     p.add_argument("--set", dest="sets", **sets)
-    p.add_argument("--record", type=Path, help="as for train")
+    for flag, kwargs in outputs:
+        p.add_argument(flag, **kwargs)
+    p.add_argument("--port", type=int, help="the coordinator's port on this host (default: a free one)")
     p.add_argument("--gpus", type=int, help="GPUs to use (the first N of CUDA_VISIBLE_DEVICES, else 0..N-1)")
     p.add_argument("--cpu-devices", type=int, metavar="K", help="no GPU: each process gets K CPU host devices")
     p.add_argument("--processes", type=int, help="processes to start (default: --gpus, one per GPU; with "
                    "--cpu-devices: 2)")
-    p.add_argument("--log-dir", type=Path, help="folder for the other processes' output (default: a new temp folder)")
+    p.add_argument("--log-dir", type=Path, help="folder for the other processes' output (default: <run folder>/logs)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from turbo_moe.train.launch import train_from_file
 
-    return train_from_file(args.config, args.sets, record=args.record)
+    return train_from_file(args.config, args.sets, out=args.out, record=args.record, overwrite=args.overwrite)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from turbo_moe.train.launch import launch_local
 
-    processes = args.processes or args.gpus or 2
+    processes = args.processes if args.processes is not None else args.gpus if args.gpus is not None else 2
     return launch_local(args.config, args.sets, processes=processes, gpus=args.gpus, cpu_devices=args.cpu_devices,
-                        record=args.record, log_dir=args.log_dir)
+                        out=args.out, record=args.record, overwrite=args.overwrite, port=args.port,
+                        log_dir=args.log_dir)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -109,34 +124,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from turbo_moe.experiments import report
 
-    from turbo_moe.experiments.results import scan_results
-
-    if not args.experiments_dir.is_dir():
-        raise ValueError(f"--experiments-dir {str(args.experiments_dir)!r} is not a folder (resolved: "
-                         f"{args.experiments_dir.resolve()}); give the folder that holds results/")
-    results_dir, figures_dir = args.experiments_dir / "results", args.experiments_dir / "figures"
-    if not any(results_dir.glob("*.csv")) and not (args.experiments_dir / "store").is_dir():
-        raise ValueError(f"--experiments-dir {str(args.experiments_dir)!r}: {results_dir} holds no results tables "
-                         "(*.csv); run a sweep first (turbo-moe sweep experiments/sweeps/cpu_default.yaml)")
-    problems = scan_results(results_dir)  # the report leaves these out: say so here, where it is seen
-    for line in problems:
-        print(f"warning: {line}")
-    if args.no_notebook:
-        built = report.build_report(results_dir, figures_dir)
-    else:
-        out = args.experiments_dir / "runs" / "report" / "04_report.ipynb"
-        try:
-            built = report.run_report_notebook(args.notebook, out, results_dir, figures_dir, kernel=args.kernel)
-        except Exception as exc:  # a failed cell: its one-line error and where the full notebook is
-            if type(exc).__name__ != "PapermillExecutionError":
-                raise
-            raise ValueError(f"the report notebook failed: {exc.ename}: {' '.join(str(exc.evalue).split())[:500]} "
-                             f"(the executed notebook with the traceback: {out})") from None
-    for line in built.lines():
-        print(line)
-    if problems:
-        print(f"{len(problems)} problem(s) in {results_dir} were left out of the report (warnings above)")
-    return 0
+    return report.report_command(args.experiments_dir, notebook=args.notebook, kernel=args.kernel,
+                                 in_process=args.no_notebook, publish=args.publish)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     except expected as exc:
         print(f"turbo-moe {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the stack it interrupted
+        print(f"turbo-moe {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """`turbo-moe train` / `launch`: the config file and --set, the process group from the environment, the launcher's
-process handling, and one training run with a checkpoint and its resume (in this process: 8 CPU devices)."""
+process handling, and one training run in its folder with its resume (in this process: 8 CPU devices)."""
 
 import json
 import os
 import stat
+import struct
 import sys
 import time
 
@@ -175,7 +176,7 @@ time.sleep(60)
     lines = []
     start = time.monotonic()
     code = launch_local(config_file, processes=2, cpu_devices=1, python=str(fake), log_dir=tmp_path / "logs",
-                        echo=lambda *a, **k: lines.append(" ".join(map(str, a))))
+                        out=tmp_path / "run", echo=lambda *a, **k: lines.append(" ".join(map(str, a))))
     assert code == 3 and time.monotonic() - start < 30
     assert any("process 1 exited with code 3" in line for line in lines)
     assert any("[process 1] process 1 breaks" in line for line in lines)
@@ -184,23 +185,57 @@ time.sleep(60)
         os.kill(pid0, 0)
 
 
-# ------------------------------------------------------------------ one run: record, checkpoint, resume
-def test_train_writes_its_record_and_resumes(tmp_path, config_file, monkeypatch):
+# ------------------------------------------------------------------ one run in its folder, resumed
+def event_scalars(folder) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of every TensorBoard event file in `folder` (TFRecord framing around Event protos)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (size,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + size])
+            at += 12 + size + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_train_writes_its_run_folder_and_resumes(tmp_path, config_file, monkeypatch, capsys):
     for name in ("TURBO_MOE_COORDINATOR", "TURBO_MOE_NUM_PROCESSES", "TURBO_MOE_PROCESS_ID", "SLURM_STEP_NUM_TASKS",
                  "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    ckpt = tmp_path / "ckpt"
+    out = tmp_path / "run"
     common = ["model_overrides.n_layers=2", "model_overrides.mtp_depth=0", "per_device_batch=1", "expert_parallel=2",
-              "eval_batches=0", "progress=false", "lr_schedule_steps=6",
-              "warmup_steps=1", f"checkpoint_dir={ckpt}"]
-    assert main(["train", str(config_file), "--set", "steps=4", *(a for s in common for a in ("--set", s))]) == 0
-    first = json.loads((ckpt / "record.json").read_text())
+              "eval_batches=0", "progress=false", "lr_schedule_steps=6", "warmup_steps=1"]
+    train = ["train", str(config_file), "--out", str(out), *(a for s in common for a in ("--set", s))]
+    assert main([*train, "--set", "steps=4"]) == 0
+    first = json.loads((out / "record.json").read_text())
     assert first["status"] == "ok" and [row["step"] for row in first["history"]] == [0, 1, 2, 3]
     assert first["provenance"]["process_count"] == 1 and first["summary"]["process_count"] == 1
-    record = tmp_path / "resumed.json"
-    assert main(["train", str(config_file), "--record", str(record), "--set", "steps=6", "--set", "resume=true",
-                 *(a for s in common for a in ("--set", s))]) == 0
-    resumed = json.loads(record.read_text())
+    assert first["summary"]["final_ce_loss"] == first["history"][-1]["ce_loss"]
+    assert (out / "checkpoint" / "4").is_dir()  # the run folder holds the checkpoint
+    assert (out / "history.csv").read_text().splitlines()[0].startswith("step,loss,ce_loss,")
+    printed = capsys.readouterr().out
+    assert f"results in {out}: record.json, history.csv, TensorBoard events" in printed and "final train CE" in printed
+    # The same schedule continued (lr_schedule_steps=6 in both calls): the record grows, the curves go on.
+    assert main([*train, "--set", "steps=6", "--set", "resume=true"]) == 0
+    resumed = json.loads((out / "record.json").read_text())
     assert resumed["summary"]["resumed_from_step"] == 4
     assert [row["step"] for row in resumed["history"]] == list(range(6))
     assert [row["loss"] for row in resumed["history"][:4]] == [row["loss"] for row in first["history"]]
+    curves = event_scalars(out)
+    assert sorted(curves["loss/train_ce"]) == list(range(6))
+    assert curves["loss/train_ce"][5] == pytest.approx(resumed["history"][5]["ce_loss"])
+    # The finished run resumed again: nothing runs, nothing changes.
+    before = (out / "record.json").read_bytes()
+    capsys.readouterr()
+    assert main([*train, "--set", "steps=6", "--set", "resume=true"]) == 0
+    assert "is finished" in capsys.readouterr().out and (out / "record.json").read_bytes() == before
+    # Another schedule is refused in one line, naming the field; the record stays.
+    assert main([*train, "--set", "steps=8", "--set", "lr_schedule_steps=8", "--set", "resume=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("turbo-moe train: error: cannot resume: the learning-rate schedule") and \
+        "lr_schedule_steps=6 in the checkpoint, 8 now" in err, err
+    assert (out / "record.json").read_bytes() == before

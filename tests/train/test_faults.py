@@ -14,7 +14,7 @@ import pytest
 
 from turbo_moe.train import TrainConfig, run
 from turbo_moe.train import metrics as M
-from turbo_moe.train.checkpoint import Checkpointer, CheckpointError, check_resume_config
+from turbo_moe.train.checkpoint import Checkpointer, CheckpointError, ResumeRefused, check_resume_config
 
 ENOSPC_TEXT = ("RESOURCE_EXHAUSTED: Error writing local file \"{d}/2.orbax-checkpoint-tmp/state/d/1\": Failed to "
                "write 659118 bytes to file 4: No space left on device [os_error_code='28']")
@@ -190,8 +190,8 @@ def test_no_restorable_checkpoint_names_every_failure(tmp_path):
 
 
 def test_resume_with_another_seed_or_path_is_refused(tmp_path):
-    saved = {"seed": 0, "model": "tiny", "model_overrides": {"moe_path": "ragged"}, "steps": 4}
-    check_resume_config(saved, {**saved, "steps": 8})  # more steps: the same run, continued
+    saved = {"seed": 0, "model": "tiny", "model_overrides": {"moe_path": "ragged"}, "steps": 4, "lr_schedule_steps": 8}
+    check_resume_config(saved, {**saved, "steps": 8})  # more steps of one schedule: the same run, continued
     with pytest.raises(ValueError, match=r"seed=0 in the checkpoint, 1 now"):
         check_resume_config(saved, {**saved, "seed": 1})
     with pytest.raises(ValueError, match=r"model_overrides=.*'ragged'.*'turbo'"):
@@ -200,6 +200,18 @@ def test_resume_with_another_seed_or_path_is_refused(tmp_path):
     with pytest.raises(ValueError, match="seed=0 in the checkpoint, 3 now"):
         ckpt.restore({"w": jnp.zeros((4,))}, config={"seed": 3})
     ckpt.finish()
+
+
+def test_resume_with_another_learning_rate_schedule_is_refused_unless_allowed():
+    """More steps without lr_schedule_steps stretch the cosine: the LR of every step to come changes."""
+    saved = {"seed": 0, "model": "tiny", "steps": 30, "lr_schedule_steps": None, "learning_rate": 3e-3}
+    with pytest.raises(ResumeRefused, match=r"schedule differs .*\(steps=30 in the checkpoint, 50 now \(the "
+                                            r"schedule's length: lr_schedule_steps is unset\)\).*allow_schedule_change"):
+        check_resume_config(saved, {**saved, "steps": 50})
+    with pytest.raises(ResumeRefused, match=r"learning_rate=0.003 in the checkpoint, 0.001 now"):
+        check_resume_config(saved, {**saved, "learning_rate": 1e-3})
+    check_resume_config(saved, {**saved, "steps": 50, "allow_schedule_change": True})
+    check_resume_config(saved, {**saved, "lr_schedule_steps": 30})  # the same length, named
 
 
 def test_cpu_state_larger_than_host_memory_is_refused_before_it_exists(tiny, monkeypatch):

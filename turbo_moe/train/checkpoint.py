@@ -44,10 +44,14 @@ from turbo_moe.writer_lock import HolderLock
 
 log = logging.getLogger(__name__)
 # TrainConfig fields that must match for a resumed run to continue the same run: any other value would
-# silently change the trajectory (steps, eval/checkpoint cadence, progress may change).
+# silently change the trajectory (eval/checkpoint cadence and progress may change; steps as SCHEDULE_FIELDS say).
 RESUME_FIELDS = ("model", "model_overrides", "dataset", "text_field", "val_fraction", "per_device_batch",
-                 "expert_parallel", "learning_rate", "warmup_steps", "lr_schedule_steps", "min_lr_ratio",
-                 "weight_decay", "adam_b1", "adam_b2", "moments_dtype", "grad_clip", "seed", "master_weights")
+                 "expert_parallel", "weight_decay", "adam_b1", "adam_b2", "moments_dtype", "grad_clip", "seed",
+                 "master_weights")
+# The learning-rate schedule's fields, and "steps" where it is the schedule's length (lr_schedule_steps unset): a
+# change moves the LR of the steps to come (e.g. 30 -> 50 steps jumped it from 3.1e-4 to 1.3e-3 at step 30). Refused
+# unless the config sets allow_schedule_change.
+SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "min_lr_ratio")
 # Fields a checkpoint's record may lack (written before the field existed): the value such a run had.
 RESUME_DEFAULTS = {"master_weights": "float32"}
 # Why a difference matters where the generic advice (another checkpoint_dir, or resume=False) is not the whole story.
@@ -59,6 +63,11 @@ class CheckpointError(RuntimeError):
 
     Never an out-of-memory condition: a full disk reads RESOURCE_EXHAUSTED in tensorstore's words.
     """
+
+
+class ResumeRefused(ValueError):
+    """The checkpoint was written by another run, or one this run's config cannot continue (a config error: the
+    message names the fields)."""
 
 
 class CheckpointBusy(CheckpointError):
@@ -94,8 +103,30 @@ def _as_now(config: dict) -> dict:
     return {k: v for k, v in now.items() if k in config or moved.get(k)}
 
 
+def _schedule_length(config: dict) -> tuple[str, Any]:
+    """(the field that sets the LR schedule's length, its value): lr_schedule_steps, else steps."""
+    if config.get("lr_schedule_steps") is not None:
+        return "lr_schedule_steps", config["lr_schedule_steps"]
+    return "steps", config.get("steps")
+
+
+def _schedule_changes(saved: dict, current: dict) -> list[str]:
+    """'field=<saved> in the checkpoint, <now> now' for each change of the learning-rate schedule."""
+    changed = [f"{k}={saved[k]!r} in the checkpoint, {current[k]!r} now" for k in SCHEDULE_FIELDS
+               if k in saved and k in current and saved[k] != current[k]]
+    (saved_name, saved_len), (name, length) = _schedule_length(saved), _schedule_length(current)
+    if saved_len is not None and length is not None and saved_len != length:
+        if saved_name == name:
+            unset = ": lr_schedule_steps is unset" if name == "steps" else ""
+            changed.append(f"{name}={saved_len} in the checkpoint, {length} now (the schedule's length{unset})")
+        else:
+            changed.append(f"the schedule's length {saved_name}={saved_len} in the checkpoint, {name}={length} now")
+    return changed
+
+
 def check_resume_config(saved: dict | None, current: dict) -> None:
-    """Raise ValueError naming every field in which the checkpoint's run differs from this one."""
+    """Raise ResumeRefused naming every field in which the checkpoint's run differs from this one, the learning-rate
+    schedule's included unless `current` sets allow_schedule_change."""
     if not saved:
         return
     saved = _as_now({**{k: v for k, v in RESUME_DEFAULTS.items() if k in current}, **saved})
@@ -104,8 +135,14 @@ def check_resume_config(saved: dict | None, current: dict) -> None:
     if changed:
         diffs = "; ".join(f"{k}={saved[k]!r} in the checkpoint, {current[k]!r} now" for k in changed)
         hints = "".join(f"; {_RESUME_HINTS[k]}" for k in changed if k in _RESUME_HINTS)
-        raise ValueError(f"cannot resume: the checkpoint was written by a different run ({diffs}); use another "
-                         f"checkpoint_dir or set resume=False{hints}")
+        raise ResumeRefused(f"cannot resume: the checkpoint was written by a different run ({diffs}); use another "
+                            f"checkpoint_dir or set resume=False{hints}")
+    schedule = [] if current.get("allow_schedule_change") else _schedule_changes(saved, current)
+    if schedule:
+        raise ResumeRefused(f"cannot resume: the learning-rate schedule differs from the checkpoint's run "
+                            f"({'; '.join(schedule)}), which changes the learning rate of the steps to come; "
+                            "set allow_schedule_change=true to continue anyway, or split a run into several calls "
+                            "with one lr_schedule_steps (its total steps) in each")
 
 
 def _leaf_names(tree) -> list[str]:
@@ -208,10 +245,8 @@ class Checkpointer:
         steps = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"no checkpoint found in {self.directory}")
-        if config is not None and isinstance(config.get("steps"), int) and steps[0] > config["steps"]:
-            raise ValueError(f"cannot resume: the checkpoint in {self.directory} is at step {steps[0]}, past this "
-                             f"run's steps={config['steps']}; set steps >= {steps[0]} to continue it, or use another "
-                             "checkpoint_dir (or resume=False) to start again")
+        if config is not None:
+            self._check_not_past(steps[0], config)
         failures = []
         for candidate in steps:
             try:
@@ -232,6 +267,25 @@ class Checkpointer:
                 self._set_aside(steps[:steps.index(candidate)], failures)
             return state, record
         raise CheckpointError(f"no checkpoint in {self.directory} could be restored: " + " | ".join(failures))
+
+    def check_resume(self, config: dict) -> None:
+        """Before any work (initialising, compiling): raise ResumeRefused where the latest checkpoint's record says
+        `config` cannot continue it. A record that does not read is left to `restore`, which falls back."""
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            return
+        self._check_not_past(steps[0], config)
+        try:
+            record = self._restore_record(steps[0])
+        except Exception:  # noqa: BLE001 — a damaged step: restore() moves it aside and tries the one before
+            return
+        check_resume_config(record.get("config"), config)
+
+    def _check_not_past(self, step: int, config: dict) -> None:
+        if isinstance(config.get("steps"), int) and step > config["steps"]:
+            raise ResumeRefused(f"cannot resume: the checkpoint in {self.directory} is at step {step}, past this "
+                                f"run's steps={config['steps']}; set steps >= {step} to continue it, or use "
+                                "another checkpoint_dir (or resume=False) to start again")
 
     def _restore_record(self, step: int) -> dict:
         record = self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]

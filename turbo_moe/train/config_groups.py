@@ -146,6 +146,9 @@ class CheckpointConfig:
     every: int = 0  # steps between saves; 0: only at the end (when `dir` is set)
     keep: int = 2
     resume: bool = False
+    # Resume even where the learning-rate schedule differs from the checkpoint's run (its fields, or `steps` as the
+    # schedule's length): the LR of the steps to come changes. Refused otherwise (checkpoint.check_resume_config).
+    allow_schedule_change: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dir", _path_or_none(self.dir))
@@ -154,6 +157,8 @@ class CheckpointConfig:
         require_int(self.every, "checkpoint_every", 0)
         require_int(self.keep, "keep_checkpoints", 1)
         require(isinstance(self.resume, bool), "resume", f"must be a bool, got {self.resume!r}")
+        require(isinstance(self.allow_schedule_change, bool), "allow_schedule_change",
+                f"must be a bool, got {self.allow_schedule_change!r}")
         require(not self.resume or self.dir is not None, "resume", "resume=True needs a checkpoint_dir")
 
 
@@ -165,6 +170,7 @@ FLAT_FIELDS: dict[str, tuple[str, str]] = {
        for f in dataclasses.fields(GROUPS[group])},
     "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
     "keep_checkpoints": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
+    "allow_schedule_change": ("checkpoint", "allow_schedule_change"),
 }
 # Sub-config attribute -> flat name, per sub-config (a YAML section `checkpoint: {dir: ...}` names attributes).
 FLAT_NAMES: dict[str, dict[str, str]] = {group: {attr: flat for flat, (g, attr) in FLAT_FIELDS.items() if g == group}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 from typing import Mapping
 
 COORDINATOR_VARS = ("TURBO_MOE_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
@@ -154,11 +155,39 @@ def initialize(group: ProcessGroup | None) -> bool:
     import jax
 
     detection = {"slurm": "slurm", "openmpi": "ompi"}.get(group.cluster) if group.coordinator is None else None
-    # local_device_ids=[]: every device the process sees (None would let the cluster detection pick one GPU).
-    jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
-                               process_id=group.process_id, local_device_ids=list(group.local_device_ids or []),
-                               cluster_detection_method=detection)
+    port = int(group.coordinator.rsplit(":", 1)[1]) if group.coordinator else None
+    if group.process_id == 0 and port is not None:  # process 0 serves the coordinator on its host
+        taken = port_taken(port)
+        if taken:
+            raise ValueError(_port_message(port, taken))
+    try:
+        # local_device_ids=[]: every device the process sees (None would let the cluster detection pick one GPU).
+        jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
+                                   process_id=group.process_id, local_device_ids=list(group.local_device_ids or []),
+                                   cluster_detection_method=detection)
+    except Exception as exc:  # taken between the check and the bind: the same one line
+        text = str(exc).lower()
+        if port is not None and ("address already in use" in text or "failed to bind" in text):
+            raise ValueError(_port_message(port, "Address already in use")) from None
+        raise
     return True
+
+
+def port_taken(port: int) -> str | None:
+    """Why `port` cannot be listened on at this host (e.g. 'Address already in use'), or None when it can."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the coordinator's server binds
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def _port_message(port: int, why: str) -> str:
+    return (f"the coordinator port {port} is taken on this host ({why}); choose another: "
+            f"{COORDINATOR_VARS[0]}=<host>:<free port> for every process (turbo-moe launch: --port N, or no --port "
+            "for a free one)")
 
 
 def shutdown() -> None:

@@ -12,7 +12,7 @@ import concurrent.futures
 import math
 import time
 import traceback
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from turbo_moe.data import BatchIterator, Dataset, eval_batches, load_dataset, unigram_log_prior
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
 from turbo_moe.train import metrics as M
-from turbo_moe.train.checkpoint import Checkpointer
+from turbo_moe.train.checkpoint import Checkpointer, ResumeRefused
 from turbo_moe.train.compilation_cache import ensure_on as compilation_cache_on
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.determinism import state_digest
@@ -35,9 +35,10 @@ class OutOfMemory(MemoryError):
     """The compiled step does not fit the device (found before running it)."""
 
 
-def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
-    """Train per `config`. Bad configs/data paths raise; OOM, NaN/Inf loss and other failures during
-    training come back as `status` "oom" / "nan" / "error" with `error` explaining them."""
+def run(config: TrainConfig | Mapping[str, Any], *, on_log: Callable[[dict], None] | None = None) -> RunResult:
+    """Train per `config`. Bad configs/data paths raise, and so does a checkpoint another run wrote
+    (`ResumeRefused`); OOM, NaN/Inf loss and other failures during training come back as `status` "oom" / "nan" /
+    "error" with `error` explaining them. `on_log(row)` sees each history row as it is logged (a TensorBoard log)."""
     tc = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
     tc = tc.resolved()  # every "auto" as this device runs it: what the run executes and records
     model_cfg = tc.model_config()
@@ -56,9 +57,12 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
     # CPU: compiled programs are kept on disk, so the next run of the same shapes skips XLA's compiler (the
     # summary says whether compile_time_s may be a cache load).
     result.summary["compilation_cache"] = compilation_cache_on() is not None
-    trainer = _Trainer(tc, model_cfg, dataset, result, progress)
+    trainer = _Trainer(tc, model_cfg, dataset, result, progress, on_log)
+    refused = None
     try:
         trainer.train()
+    except ResumeRefused as error:  # a config error found in the checkpoint: raised once the run is closed
+        refused = error
     except Exception as error:  # noqa: BLE001 — reported in the result, never swallowed silently
         if M.is_oom(error):
             result.status, result.error = "oom", trainer.describe_oom(error)
@@ -67,6 +71,9 @@ def run(config: TrainConfig | Mapping[str, Any]) -> RunResult:
             result.error = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=20)}"
     finally:
         trainer.close()
+    if refused is not None:
+        progress.close()
+        raise refused
     result.summary = trainer.summary()
     progress.close(summary_line(result.status, result.error, result.summary, progress.desc))
     return result
@@ -76,7 +83,7 @@ class _Trainer:
     """State of one run; `train()` is the loop, `summary()` the run-level figures."""
 
     def __init__(self, tc: TrainConfig, model_cfg: ModelConfig, dataset: Dataset, result: RunResult,
-                 progress: RunProgress | None = None):
+                 progress: RunProgress | None = None, on_log: Callable[[dict], None] | None = None):
         self.tc, self.model_cfg, self.dataset, self.result = tc, model_cfg, dataset, result
         self.seq_len = tc.resolved_seq_len
         self.n_devices = jax.device_count()
@@ -93,6 +100,7 @@ class _Trainer:
         self.memory_limit: tuple[int | None, str] = (None, "unknown")
         self.checkpointer = Checkpointer(tc.checkpoint_dir, tc.keep_checkpoints) if tc.checkpoint_dir else None
         self.progress = progress or RunProgress("train", tc.steps, enabled=False)
+        self.on_log = on_log
         self.phase_s: dict[str, float] = {}  # wall seconds per phase: where a run's time went
         self._phase_start = time.perf_counter()
 
@@ -100,6 +108,8 @@ class _Trainer:
     def train(self) -> None:
         tc, history = self.tc, self.result.history
         self.peak_memory_at_start = M.peak_memory()[0]  # counters are per process, never reset
+        if tc.resume and self.checkpointer is not None:  # another run's checkpoint: refused before any work
+            self.checkpointer.check_resume(tc.to_dict())
         mesh = make_mesh(expert_parallel=tc.expert_parallel)
         program = program_for(tc, self.model_cfg, mesh)
         self._check_state_fits(program.abstract_state)
@@ -153,7 +163,7 @@ class _Trainer:
             self.dropped.append(row["dropped_fraction"])
             self.result.expert_load = np.asarray(m["expert_load"]).tolist()
             if not math.isfinite(row["loss"]):  # a step already queued after it is dropped with the run
-                history.append(row)
+                self._log(row)
                 self.result.status = "nan"
                 self.result.error = f"non-finite loss ({row['loss']}) at step {step}"
                 return
@@ -162,8 +172,8 @@ class _Trainer:
                 row["eval_loss"] = self._evaluate(eval_step, state, val)
                 self._enter("training")
             if is_last or evaluate or step % tc.log_every == 0:
-                history.append(row)
-            self.progress.step(done, row["loss"], row["tgs"])
+                self._log(row)
+            self.progress.step(done, row["ce_loss"], row["tgs"])
             if save:
                 self._enter("checkpointing")
                 self.checkpointer.save(done, state, {"step": done, "history": history, "config": tc.to_dict()})
@@ -174,6 +184,11 @@ class _Trainer:
                 pending = dispatch(state, done)
         if tc.deterministic:  # what two runs of one config compare, with their losses and gradient norms
             self.result.summary["state_digest"] = state_digest(state)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        self.result.history.append(row)
+        if self.on_log is not None:
+            self.on_log(row)
 
     def _enter(self, phase: str) -> None:
         now = time.perf_counter()
@@ -306,7 +321,8 @@ class _Trainer:
             "compiled_temp_bytes": self.compiled_mem.get("temp_size_in_bytes"),
             "compiled_total_bytes": self.compiled_mem.get("total_bytes"), "compiled_memory": self.compiled_mem,
             "device_memory_limit_bytes": self.memory_limit[0], "device_memory_limit_source": self.memory_limit[1],
-            "final_loss": history[-1]["loss"] if history else math.nan,
+            "final_loss": history[-1]["loss"] if history else math.nan,  # cross-entropy + MTP and balance terms
+            "final_ce_loss": history[-1].get("ce_loss", math.nan) if history else math.nan,  # beside the eval CE
             "final_eval_loss": evals[-1] if evals else math.nan,
             "dropped_fraction_mean": float(np.mean(self.dropped)) if self.dropped else math.nan,
             "load_max_over_mean_mean": float(np.mean(ratios)) if ratios else math.nan,

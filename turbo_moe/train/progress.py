@@ -90,16 +90,18 @@ class RunProgress:
         elif name not in ("training", "done"):
             self._line(f"{PHASE_TEXT.get(name, name)} ...")
 
-    def step(self, done: int, loss: float, tgs: float) -> None:
+    def step(self, done: int, ce_loss: float, tgs: float) -> None:
+        """`ce_loss`: the step's train cross-entropy (comparable with the eval CE; the total loss adds MTP and
+        balance terms)."""
         with self._lock:
             advance, self.done = done - self.done, done
-            self.postfix = f"loss {loss:.3f} | {tgs:,.0f} tok/dev/s"
+            self.postfix = f"train CE {ce_loss:.3f} | {tgs:,.0f} tok/dev/s"
         if not self.enabled:
             return
         if self.notebook:
             self._draw(force=done >= self.total)
         elif self._bar is not None:
-            self._bar.set_postfix_str(f"loss={loss:.3f}, tgs={tgs:.0f} tok/dev/s", refresh=False)
+            self._bar.set_postfix_str(f"train CE={ce_loss:.3f}, tgs={tgs:.0f} tok/dev/s", refresh=False)
             self._bar.update(advance)
 
     def start_at(self, step: int) -> None:
@@ -172,8 +174,21 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / max(total, 1):.0f}%"
 
 
+def loss_text(summary: Mapping[str, Any]) -> str:
+    """'final train CE 5.57, eval CE 5.59 (total loss incl. MTP and balance 7.24)': the cross-entropies side by side
+    (the same quantity), the total loss named as such; '' when the run logged no step."""
+    ce, total, evaluated = (summary.get(k) for k in ("final_ce_loss", "final_loss", "final_eval_loss"))
+    if not _finite(ce):
+        return f"final total loss {total:.4f}" if _finite(total) else ""
+    text = f"final train CE {ce:.4f}" + (f", eval CE {evaluated:.4f}" if _finite(evaluated) else "")
+    if _finite(total) and abs(total - ce) > 5e-5:
+        text += f" (total loss incl. MTP and balance {total:.4f})"
+    return text
+
+
 def summary_line(status: str, error: str | None, summary: Mapping[str, Any], desc: str) -> str:
-    """One line: steps, wall time, final loss, TGS, peak memory (or the failure)."""
+    """One line: steps, wall time, final train/eval cross-entropy and total loss, TGS, peak memory (or the
+    failure)."""
     phases = summary.get("phase_seconds") or {}
     wall = sum(v for v in phases.values() if isinstance(v, (int, float)))
     compile_s = summary.get("compile_time_s")
@@ -183,11 +198,8 @@ def summary_line(status: str, error: str | None, summary: Mapping[str, Any], des
         head += f" ({reason})"
     parts = [head, f"{summary.get('steps_done', 0)} steps in {wall:.1f} s"
              + (f" (compile {compile_s:.1f} s)" if _finite(compile_s) else "")]
-    if _finite(summary.get("final_loss")):
-        loss = f"final loss {summary['final_loss']:.4f}"
-        if _finite(summary.get("final_eval_loss")):
-            loss += f", eval {summary['final_eval_loss']:.4f}"
-        parts.append(loss)
+    if loss_text(summary):
+        parts.append(loss_text(summary))
     if _finite(summary.get("tgs")):
         parts.append(f"TGS {summary['tgs']:,.0f} tok/dev/s")
     peak = summary.get("peak_memory_bytes")

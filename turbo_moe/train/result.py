@@ -50,10 +50,13 @@ class RunResult:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> Path:
-        """Write JSON (NaN/Infinity as Python's json writes them, so `load` round-trips them)."""
+        """Write JSON (NaN/Infinity as Python's json writes them, so `load` round-trips them), whole or not at all:
+        written beside `path`, then renamed over it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1, default=str))
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, default=str))
+        tmp.replace(path)
         return path
 
     @classmethod
