@@ -186,7 +186,7 @@ AUTO_FIELDS = ("master_weights", "adam_mu_dtype", "adam_nu_dtype")
 
 
 def test_auto_fields_resolve_per_platform():
-    tc = TrainConfig(model="tiny", steps=5, warmup_steps=1)
+    tc = TrainConfig(model="tiny", steps=5, warmup_steps=1, learning_rate=3e-3)  # no recipe value left to resolve
     assert tuple(getattr(tc, f) for f in AUTO_FIELDS) == ("auto",) * 3
     cpu, gpu = tc.resolved("cpu"), tc.resolved("gpu")
     assert tuple(getattr(cpu, f) for f in AUTO_FIELDS) == ("float32", None, None)

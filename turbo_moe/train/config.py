@@ -21,6 +21,7 @@ from turbo_moe.train.config_groups import (FLAT_FIELDS, FLAT_NAMES, GROUPS, MAST
                                            OPTIMIZER_STATE_MEMORIES, CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, require,
                                            require_int)
 from turbo_moe.train.metrics import TGS_SKIP_STEPS
+from turbo_moe.train.recipes import optimizer_recipe
 
 __all__ = ["TrainConfig", "OptimizerConfig", "DataConfig", "ParallelConfig", "CheckpointConfig", "FIELD_NAMES",
            "REMOVED_FIELDS", "MOMENTS_DTYPES", "MASTER_WEIGHTS", "OPTIMIZER_STATE_MEMORIES"]
@@ -41,6 +42,8 @@ REMOVED_FIELDS: dict[str, tuple[Any, str]] = {
 _NU_ROUNDINGS_KEPT = ("auto", "stochastic")
 # The two moments' dtypes, one field since both are stored alike (DeepSeek-V3 keeps both in bfloat16).
 _MOMENT_NAMES = ("adam_mu_dtype", "adam_nu_dtype")
+# The optimizer fields whose None means the model preset's recipe (turbo_moe/train/recipes.py).
+_RECIPE_FIELDS = ("learning_rate", "warmup_steps")
 _TOP_FIELDS = ("model", "model_overrides", "steps", "seed", "eval_every", "eval_batches", "log_every", "progress",
                "deterministic")
 # Every name `from_dict` takes flat, the older spellings included (the constructor takes all but MaxText's top-level
@@ -102,7 +105,11 @@ class TrainConfig:
         _validate(self)
 
     def __getattr__(self, name: str) -> Any:
-        """Flat reads (`cfg.learning_rate`): the sub-config's attribute. Only called for names not found."""
+        """Flat reads (`cfg.learning_rate`): the sub-config's attribute, or where a recipe field (`learning_rate`,
+        `warmup_steps`) is None, the value the run uses (`recipe_values`). Only called for names not found."""
+        if name in _RECIPE_FIELDS:
+            value = getattr(object.__getattribute__(self, "optimizer"), name)
+            return self.recipe_values()[name] if value is None else value
         if name in FLAT_FIELDS:
             group, attr = FLAT_FIELDS[name]
             return getattr(object.__getattribute__(self, group), attr)
@@ -147,8 +154,8 @@ class TrainConfig:
         return TrainConfig(**{**values, **changes})
 
     def resolved(self, platform: str | None = None) -> "TrainConfig":
-        """This config with every "auto" replaced by what it means on `platform` (default: JAX's backend): what a
-        run executes and records."""
+        """This config with every "auto" replaced by what it means on `platform` (default: JAX's backend), and the
+        learning rate and warm-up left None by the preset's recipe: what a run executes and records."""
         on_gpu = (platform or jax.default_backend()) == "gpu"
         cfg = self.model_config()
         changes: dict[str, Any] = {}
@@ -157,7 +164,16 @@ class TrainConfig:
             changes["master_weights"] = "split" if split else "float32"
         if self.moments_dtype == "auto":
             changes["moments_dtype"] = "bfloat16" if on_gpu else None
+        changes.update({name: value for name, value in self.recipe_values().items()
+                        if getattr(self.optimizer, name) is None})
         return self.replace(**changes) if changes else self
+
+    def recipe_values(self) -> dict[str, Any]:
+        """What `learning_rate` and `warmup_steps` are where left None: the model preset's optimizer recipe
+        (turbo_moe/train/recipes.py), its warm-up fitted to this run's schedule."""
+        recipe = optimizer_recipe(self.model)
+        schedule = self.lr_schedule_steps if self.lr_schedule_steps is not None else self.steps
+        return {"learning_rate": recipe.learning_rate, "warmup_steps": recipe.warmup_for(schedule)}
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, as the records hold it: the run-level fields, then each sub-config's under their flat names."""

@@ -43,10 +43,11 @@ def _path_or_none(value: Any) -> Any:
 class OptimizerConfig:
     """AdamW (DeepSeek-V3's recipe) and its schedule: a linear warm-up over `warmup_steps`, then a cosine decay to
     `min_lr_ratio * learning_rate` at `lr_schedule_steps` (None: the run's `steps`; set it when a run is split into
-    several invocations)."""
+    several invocations). `learning_rate` / `warmup_steps` None: the model preset's recipe (turbo_moe/train/recipes.py;
+    DeepSeek-V3's 2.2e-4 for deepseek_v3_671b), which `TrainConfig` reads flat and `resolved()` writes in."""
 
-    learning_rate: float = 3e-3
-    warmup_steps: int = 10
+    learning_rate: float | None = None
+    warmup_steps: int | None = None
     lr_schedule_steps: int | None = None
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -70,9 +71,10 @@ class OptimizerConfig:
     optimizer_state_memory: str = "device"
 
     def __post_init__(self):
-        require(_is_number(self.learning_rate) and self.learning_rate > 0, "learning_rate",
-                f"must be a positive finite number, got {self.learning_rate!r}")
-        require_int(self.warmup_steps, "warmup_steps", 0)
+        require(self.learning_rate is None or (_is_number(self.learning_rate) and self.learning_rate > 0),
+                "learning_rate", f"must be a positive finite number or None, got {self.learning_rate!r}")
+        if self.warmup_steps is not None:
+            require_int(self.warmup_steps, "warmup_steps", 0)
         require(self.lr_schedule_steps is None or (_is_int(self.lr_schedule_steps) and self.lr_schedule_steps > 0),
                 "lr_schedule_steps", f"must be None or a positive int, got {self.lr_schedule_steps!r}")
         for name in ("weight_decay", "grad_clip"):
