@@ -8,7 +8,6 @@ place. Presets: `tiny` (CPU tests), `small` (CPU default run), `reduced` (one 80
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, Mapping
 
@@ -16,6 +15,9 @@ import yaml
 
 from turbo_moe.model.router_recipes import RECIPE_FIELDS, ROUTER_RECIPE_NAMES, ROUTER_RECIPES, RouterRecipe
 from turbo_moe.model.router_recipes import recipe_named_by
+from turbo_moe.validation import Checks
+
+CHECK = Checks("ModelConfig")
 
 MOE_PATHS = ("dense_cf", "ragged", "turbo", "pallas", "turbo_fp8")  # each has its rows in turbo_moe.model.paths.PATHS
 FP8_BLOCK = 128  # turbo_fp8: its GEMMs scale FP8 in 128-wide tiles, so d_model and moe_ffn_dim are multiples
@@ -88,7 +90,8 @@ MAXTEXT_ALIASES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture + MoE-path settings. Validated on construction (`ValueError` naming the field)."""
+    """Architecture + MoE-path settings. Validated on construction (`turbo_moe.validation.ConfigError`, a ValueError
+    naming the field, its value and what it allows)."""
 
     vocab_size: int = 256
     d_model: int = 64
@@ -221,13 +224,14 @@ class ModelConfig:
                 old_router_fields[name] = _coerce(name, value, RECIPE_FIELDS[name][1])
                 continue
             if name not in known:
-                raise ValueError(f"unknown ModelConfig field {key!r}; known fields: {sorted(known)}")
+                CHECK.fail(key, value, f"one of the fields {sorted(known)}",
+                           f"unknown ModelConfig field {key!r}; known fields: {sorted(known)}")
             if name in kwargs:
-                raise ValueError(f"ModelConfig field {name!r} given twice (as {key!r} and an alias)")
+                _given_twice(name, key, value)
             kwargs[name] = _coerce(name, value, known[name].type)
         if old_router_fields:
             base = kwargs.get("router_recipe", known["router_recipe"].default)
-            _require(base in ROUTER_RECIPES, "router_recipe", f"got {base!r}; expected one of {ROUTER_RECIPE_NAMES}")
+            _check_recipe(base)
             kwargs["router_recipe"] = recipe_named_by(base, old_router_fields)
         return cls(**kwargs)
 
@@ -275,9 +279,19 @@ def _canonical_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in overrides.items():
         name = MAXTEXT_ALIASES.get(key, key)
         if name in renamed:
-            raise ValueError(f"ModelConfig field {name!r} given twice (as {key!r} and an alias)")
+            _given_twice(name, key, value)
         renamed[name] = value
     return renamed
+
+
+def _check_recipe(name: str) -> None:
+    """ROUTER_RECIPES, not its public names: a test may register a recipe of its own."""
+    CHECK.require(name in ROUTER_RECIPES, "router_recipe", name, f"one of {ROUTER_RECIPE_NAMES}",
+                  f"got {name!r}; expected one of {ROUTER_RECIPE_NAMES}")
+
+
+def _given_twice(name: str, key: str, value: Any) -> None:
+    CHECK.fail(name, value, "given once", f"ModelConfig field {name!r} given twice (as {key!r} and an alias)")
 
 
 def _check_removed(name: str, value: Any) -> None:
@@ -290,7 +304,8 @@ def _check_removed(name: str, value: Any) -> None:
     auto_spellings = ("kernel", "xla", "cudnn_unpadded")  # what "auto" ran as on some device
     same = value == kept or (isinstance(kept, str) and value in auto_spellings and kept == "auto")
     if not same or isinstance(value, bool) != isinstance(kept, bool):
-        raise ValueError(f"ModelConfig field {name!r} was removed ({why}); got {value!r}: drop it from the config")
+        CHECK.fail(name, value, f"left out (removed: {why})",
+                   f"ModelConfig field {name!r} was removed ({why}); got {value!r}: drop it from the config")
 
 
 def _coerce(name: str, value: Any, type_name: Any) -> Any:
@@ -316,81 +331,69 @@ def _coerce(name: str, value: Any, type_name: Any) -> Any:
                 raise ValueError
             return value
     except (TypeError, ValueError):
-        raise TypeError(f"ModelConfig.{name} expects {type_name}, got {value!r}") from None
+        CHECK.fail(name, value, f"a {type_name}", f"ModelConfig.{name} expects {type_name}, got {value!r}",
+                   wrong_type=True)
     return value
 
 
-def _require(condition: bool, field: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"ModelConfig.{field}: {message}")
-
-
 def _validate(c: ModelConfig) -> None:
-    positive = ("vocab_size", "d_model", "n_layers", "moe_ffn_dim", "n_experts", "top_k", "n_groups",
-                "topk_groups", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "max_seq_len")
-    for name in positive:
-        value = getattr(c, name)
-        _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
-                 f"must be a positive int, got {value!r}")
-    non_negative = ("n_dense_layers", "n_shared_experts", "q_lora_rank", "qk_nope_head_dim", "mtp_depth",
-                    "dense_ffn_dim", "loss_chunk_tokens")
-    for name in non_negative:
-        value = getattr(c, name)
-        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
-                 f"must be a non-negative int, got {value!r}")
-    _require(c.n_dense_layers <= c.n_layers, "n_dense_layers",
-             f"{c.n_dense_layers} dense layers > n_layers={c.n_layers}")
-    _require(c.n_dense_layers == 0 or c.dense_ffn_dim > 0, "dense_ffn_dim",
-             f"must be > 0 when n_dense_layers={c.n_dense_layers}")
-    _require(c.top_k <= c.n_experts, "top_k", f"top_k={c.top_k} > n_experts={c.n_experts}")
-    _require(c.n_experts % c.n_groups == 0, "n_groups",
-             f"n_groups={c.n_groups} does not divide n_experts={c.n_experts}")
-    _require(c.topk_groups <= c.n_groups, "topk_groups",
-             f"topk_groups={c.topk_groups} > n_groups={c.n_groups}")
+    for name in ("vocab_size", "d_model", "n_layers", "moe_ffn_dim", "n_experts", "top_k", "n_groups",
+                 "topk_groups", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "max_seq_len"):
+        CHECK.integer(name, getattr(c, name), 1)
+    for name in ("n_dense_layers", "n_shared_experts", "q_lora_rank", "qk_nope_head_dim", "mtp_depth",
+                 "dense_ffn_dim", "loss_chunk_tokens"):
+        CHECK.integer(name, getattr(c, name), 0)
+    CHECK.require(c.n_dense_layers <= c.n_layers, "n_dense_layers", c.n_dense_layers, f"<= n_layers={c.n_layers}",
+                  f"{c.n_dense_layers} dense layers > n_layers={c.n_layers}")
+    CHECK.require(c.n_dense_layers == 0 or c.dense_ffn_dim > 0, "dense_ffn_dim", c.dense_ffn_dim,
+                  f"> 0 when n_dense_layers={c.n_dense_layers}", f"must be > 0 when n_dense_layers={c.n_dense_layers}")
+    CHECK.require(c.top_k <= c.n_experts, "top_k", c.top_k, f"<= n_experts={c.n_experts}",
+                  f"top_k={c.top_k} > n_experts={c.n_experts}")
+    CHECK.require(c.n_experts % c.n_groups == 0, "n_groups", c.n_groups, f"a divisor of n_experts={c.n_experts}",
+                  f"n_groups={c.n_groups} does not divide n_experts={c.n_experts}")
+    CHECK.require(c.topk_groups <= c.n_groups, "topk_groups", c.topk_groups, f"<= n_groups={c.n_groups}",
+                  f"topk_groups={c.topk_groups} > n_groups={c.n_groups}")
     selectable = c.topk_groups * (c.n_experts // c.n_groups)
-    _require(c.top_k <= selectable, "top_k",
-             f"top_k={c.top_k} > experts in the {c.topk_groups} selected groups ({selectable})")
-    _require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
-             f"must be even (RoPE rotates pairs), got {c.qk_rope_head_dim}")
-    _require(c.moe_path in MOE_PATHS, "moe_path", f"unknown path {c.moe_path!r}; expected one of {MOE_PATHS}")
-    _require(c.dtype in COMPUTE_DTYPES, "dtype", f"got {c.dtype!r}; expected one of {COMPUTE_DTYPES}")
-    _require(c.moe_path != "pallas" or c.dtype in ("bfloat16", "float16"), "dtype",
-             f"moe_path='pallas' (Mosaic-GPU wgmma kernels) computes in bfloat16 or float16, got {c.dtype!r}")
+    CHECK.require(c.top_k <= selectable, "top_k", c.top_k, f"<= the experts in the selected groups ({selectable})",
+                  f"top_k={c.top_k} > experts in the {c.topk_groups} selected groups ({selectable})")
+    CHECK.require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", c.qk_rope_head_dim, "even (RoPE rotates pairs)")
+    CHECK.require(c.moe_path in MOE_PATHS, "moe_path", c.moe_path, f"one of {MOE_PATHS}",
+                  f"unknown path {c.moe_path!r}; expected one of {MOE_PATHS}")
+    CHECK.choice("dtype", c.dtype, COMPUTE_DTYPES)
+    CHECK.require(c.moe_path != "pallas" or c.dtype in ("bfloat16", "float16"), "dtype", c.dtype,
+                  "bfloat16 or float16 with moe_path='pallas'",
+                  f"moe_path='pallas' (Mosaic-GPU wgmma kernels) computes in bfloat16 or float16, got {c.dtype!r}")
     for name in ("d_model", "moe_ffn_dim"):  # the expert GEMMs' K and N (gate/up: d_model -> 2F, down: F -> d_model)
-        _require(c.moe_path != "turbo_fp8" or getattr(c, name) % FP8_BLOCK == 0, name,
-                 f"moe_path='turbo_fp8' (FP8 grouped GEMMs with {FP8_BLOCK}-wide scale tiles) needs a multiple of "
-                 f"{FP8_BLOCK}, got {getattr(c, name)}")
-    _require(c.param_dtype in PARAM_DTYPES, "param_dtype",
-             f"got {c.param_dtype!r}; expected one of {PARAM_DTYPES}")
-    _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
-             f"got {c.remat_policy!r}; expected one of {REMAT_POLICIES}")
-    _require(c.ep_layout in EP_LAYOUTS, "ep_layout", f"got {c.ep_layout!r}; expected one of {EP_LAYOUTS}")
-    _require(c.logits_dtype in LOGITS_DTYPES, "logits_dtype", f"got {c.logits_dtype!r}; expected one of {LOGITS_DTYPES}")
-    _require(c.router_recipe in ROUTER_RECIPES, "router_recipe",
-             f"got {c.router_recipe!r}; expected one of {ROUTER_RECIPE_NAMES}")
-    for name in ("routed_scaling_factor", "init_std"):
         value = getattr(c, name)
-        _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, name,
-                 f"must be a positive finite number, got {value!r}")
+        CHECK.require(c.moe_path != "turbo_fp8" or value % FP8_BLOCK == 0, name, value,
+                      f"a multiple of {FP8_BLOCK} with moe_path='turbo_fp8'",
+                      f"moe_path='turbo_fp8' (FP8 grouped GEMMs with {FP8_BLOCK}-wide scale tiles) needs a multiple of "
+                      f"{FP8_BLOCK}, got {value}")
+    CHECK.choice("param_dtype", c.param_dtype, PARAM_DTYPES)
+    CHECK.choice("remat_policy", c.remat_policy, REMAT_POLICIES)
+    CHECK.choice("ep_layout", c.ep_layout, EP_LAYOUTS)
+    CHECK.choice("logits_dtype", c.logits_dtype, LOGITS_DTYPES)
+    _check_recipe(c.router_recipe)
+    for name in ("routed_scaling_factor", "init_std"):
+        CHECK.number(name, getattr(c, name), "a positive finite number", lambda v: v > 0)
     recipe = c.router
     n_chunks = -(-c.max_seq_len // recipe.seq_load_chunk)
-    _require(recipe.seq_load_penalty == 0 or n_chunks <= MAX_SEQ_LOAD_CHUNKS, "max_seq_len",
-             f"router_recipe {c.router_recipe!r} runs the sequence load penalty over chunks of "
-             f"{recipe.seq_load_chunk} tokens, each unrolled into the program: {c.max_seq_len} tokens make {n_chunks} "
-             f"chunks, at most {MAX_SEQ_LOAD_CHUNKS} (max_seq_len <= {MAX_SEQ_LOAD_CHUNKS * recipe.seq_load_chunk})")
+    longest = MAX_SEQ_LOAD_CHUNKS * recipe.seq_load_chunk
+    CHECK.require(recipe.seq_load_penalty == 0 or n_chunks <= MAX_SEQ_LOAD_CHUNKS, "max_seq_len", c.max_seq_len,
+                  f"<= {longest} with router_recipe {c.router_recipe!r}",
+                  f"router_recipe {c.router_recipe!r} runs the sequence load penalty over chunks of "
+                  f"{recipe.seq_load_chunk} tokens, each unrolled into the program: {c.max_seq_len} tokens make "
+                  f"{n_chunks} chunks, at most {MAX_SEQ_LOAD_CHUNKS} (max_seq_len <= {longest})")
     for name in ("mtp_loss_weight", "router_bias_rate"):
-        value = getattr(c, name)
-        _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name,
-                 f"must be a finite number >= 0, got {value!r}")
-    _require(isinstance(c.capacity_factor, (int, float)) and math.isfinite(c.capacity_factor),
-             "capacity_factor", f"must be a finite number, got {c.capacity_factor!r}")
-    _require(not c.drop_tokens or (c.moe_path != "dense_cf" and c.capacity_factor > 0), "drop_tokens",
-             f"drops dense_cf's overflow on a dropless path and needs capacity_factor > 0; got moe_path "
-             f"{c.moe_path!r}, capacity_factor {c.capacity_factor!r}")
-    _require(c.ep_exchange in EP_EXCHANGES, "ep_exchange",
-             f"got {c.ep_exchange!r}; expected one of {EP_EXCHANGES}")
-    _require(isinstance(c.ep_capacity_factor, (int, float)) and 0 <= c.ep_capacity_factor <= 1,
-             "ep_capacity_factor", f"must be in [0, 1] (0: worst-case buffers), got {c.ep_capacity_factor!r}")
+        CHECK.number(name, getattr(c, name), "a finite number >= 0", lambda v: v >= 0)
+    CHECK.number("capacity_factor", c.capacity_factor, "a finite number")
+    CHECK.require(not c.drop_tokens or (c.moe_path != "dense_cf" and c.capacity_factor > 0), "drop_tokens",
+                  c.drop_tokens, "False with moe_path 'dense_cf' or capacity_factor <= 0",
+                  f"drops dense_cf's overflow on a dropless path and needs capacity_factor > 0; got moe_path "
+                  f"{c.moe_path!r}, capacity_factor {c.capacity_factor!r}")
+    CHECK.choice("ep_exchange", c.ep_exchange, EP_EXCHANGES)
+    CHECK.number("ep_capacity_factor", c.ep_capacity_factor, "in [0, 1] (0: worst-case buffers)",
+                 lambda v: 0 <= v <= 1)
 
 
 # ---------------------------------------------------------------- presets
@@ -442,5 +445,6 @@ PRESET_NAMES = tuple(_PRESETS)
 def get_config(name: str, **overrides) -> ModelConfig:
     """Preset `name` with field overrides (MaxText aliases accepted), validated."""
     if name not in _PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; expected one of {PRESET_NAMES}")
+        CHECK.fail("preset", name, f"one of {PRESET_NAMES}",
+                   f"unknown model preset {name!r}; expected one of {PRESET_NAMES}")
     return ModelConfig.from_dict({**_PRESETS[name], **_canonical_names(overrides)})

@@ -1,6 +1,7 @@
 """TrainConfig's sub-configs, one frozen dataclass per concern: the optimizer, the data, the mesh, the checkpoints.
 
-Each validates its own fields (`ValueError` naming the field as `TrainConfig.<flat name>`, the name a user writes).
+Each validates its own fields (`turbo_moe.validation.ConfigError`, a ValueError, naming the field as
+`TrainConfig.<flat name>`, the name a user writes).
 `FLAT_FIELDS` maps each flat name (MaxText's configs are one flat namespace, and so are our records) to its
 sub-config and attribute: `TrainConfig` reads, builds and records them flat.
 """
@@ -8,31 +9,26 @@ sub-config and attribute: `TrainConfig` reads, builds and records them flat.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
+
+from turbo_moe.validation import Checks, is_int
 
 MOMENTS_DTYPES = ("auto", None, "bfloat16", "float32")  # None: the parameters' dtype
 MASTER_WEIGHTS = ("auto", "float32", "split")  # turbo_moe/train/split_master.py
 OPTIMIZER_STATE_MEMORIES = ("device", "host")  # turbo_moe/train/offload.py
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+CHECK = Checks("TrainConfig")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def require(condition: bool, field: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"TrainConfig.{field}: {message}")
+def require(condition: bool, field: str, message: str, value: Any = None) -> None:
+    """CHECK.require for checks written as one message (TrainConfig's own): `message` says what went wrong."""
+    CHECK.require(condition, field, value, message, detail=message)
 
 
 def require_int(value: Any, field: str, minimum: int) -> None:
-    kind = "positive" if minimum == 1 else "non-negative"
-    require(_is_int(value) and value >= minimum, field, f"must be a {kind} int, got {value!r}")
+    CHECK.integer(field, value, minimum)
 
 
 def _path_or_none(value: Any) -> Any:
@@ -71,26 +67,19 @@ class OptimizerConfig:
     optimizer_state_memory: str = "device"
 
     def __post_init__(self):
-        require(self.learning_rate is None or (_is_number(self.learning_rate) and self.learning_rate > 0),
-                "learning_rate", f"must be a positive finite number or None, got {self.learning_rate!r}")
+        if self.learning_rate is not None:
+            CHECK.number("learning_rate", self.learning_rate, "a positive finite number or None", lambda v: v > 0)
         if self.warmup_steps is not None:
-            require_int(self.warmup_steps, "warmup_steps", 0)
-        require(self.lr_schedule_steps is None or (_is_int(self.lr_schedule_steps) and self.lr_schedule_steps > 0),
-                "lr_schedule_steps", f"must be None or a positive int, got {self.lr_schedule_steps!r}")
+            CHECK.integer("warmup_steps", self.warmup_steps, 0)
+        CHECK.require(self.lr_schedule_steps is None or (is_int(self.lr_schedule_steps) and self.lr_schedule_steps > 0),
+                      "lr_schedule_steps", self.lr_schedule_steps, "None or a positive int")
         for name in ("weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            require(_is_number(value) and value >= 0, name, f"must be a finite number >= 0, got {value!r}")
+            CHECK.number(name, getattr(self, name), "a finite number >= 0", lambda v: v >= 0)
         for name in ("min_lr_ratio", "adam_b1", "adam_b2"):
-            value = getattr(self, name)
-            require(_is_number(value) and 0 <= value <= 1, name, f"must be in [0, 1], got {value!r}")
-        require(self.moments_dtype is None or (isinstance(self.moments_dtype, str)
-                                               and self.moments_dtype in MOMENTS_DTYPES),
-                "moments_dtype", f"got {self.moments_dtype!r}; expected one of {MOMENTS_DTYPES}")
-        require(isinstance(self.master_weights, str) and self.master_weights in MASTER_WEIGHTS, "master_weights",
-                f"got {self.master_weights!r}; expected one of {MASTER_WEIGHTS}")
-        require(isinstance(self.optimizer_state_memory, str) and self.optimizer_state_memory in
-                OPTIMIZER_STATE_MEMORIES, "optimizer_state_memory",
-                f"got {self.optimizer_state_memory!r}; expected one of {OPTIMIZER_STATE_MEMORIES}")
+            CHECK.number(name, getattr(self, name), "in [0, 1]", lambda v: 0 <= v <= 1)
+        CHECK.choice("moments_dtype", self.moments_dtype, MOMENTS_DTYPES)
+        CHECK.choice("master_weights", self.master_weights, MASTER_WEIGHTS)
+        CHECK.choice("optimizer_state_memory", self.optimizer_state_memory, OPTIMIZER_STATE_MEMORIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,21 +98,20 @@ class DataConfig:
     def __post_init__(self):
         for name in ("dataset", "data_dir", "tokenizer"):
             object.__setattr__(self, name, _path_or_none(getattr(self, name)))
+        CHECK.require(isinstance(self.dataset, str) and self.dataset != "", "dataset", self.dataset,
+                      "'shakespeare', 'synthetic' or a path")
+        CHECK.require(isinstance(self.text_field, str) and self.text_field != "", "text_field", self.text_field,
+                      "a non-empty str")
+        CHECK.number("val_fraction", self.val_fraction, "in (0, 1)", lambda v: 0 < v < 1)
+        CHECK.integer("per_device_batch", self.per_device_batch, 1)
+        CHECK.require(self.data_dir is None or (isinstance(self.data_dir, str) and self.data_dir != ""), "data_dir",
+                      self.data_dir, "None or a non-empty path")
         require(self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer != ""), "tokenizer",
                 f"must be None, a tokenizer.json path or a Hugging Face Hub name, got {self.tokenizer!r}")
         require(self.tokenizer is None or (self.dataset != "synthetic" and Path(self.dataset).suffix not in
                                            (".npy", ".bin")), "tokenizer",
                 f"must be None for dataset {self.dataset!r}: synthetic tokens and token-id files (.npy/.bin) are "
                 f"tokenised already, got {self.tokenizer!r}")
-        require(isinstance(self.dataset, str) and self.dataset != "", "dataset",
-                f"must be 'shakespeare', 'synthetic' or a path, got {self.dataset!r}")
-        require(isinstance(self.text_field, str) and self.text_field != "", "text_field",
-                f"must be a non-empty str, got {self.text_field!r}")
-        require(_is_number(self.val_fraction) and 0 < self.val_fraction < 1, "val_fraction",
-                f"must be in (0, 1), got {self.val_fraction!r}")
-        require_int(self.per_device_batch, "per_device_batch", 1)
-        require(self.data_dir is None or (isinstance(self.data_dir, str) and self.data_dir != ""), "data_dir",
-                f"must be None or a non-empty path, got {self.data_dir!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +124,8 @@ class ParallelConfig:
     fsdp: bool = True
 
     def __post_init__(self):
-        require_int(self.expert_parallel, "expert_parallel", 1)
-        require(isinstance(self.fsdp, bool), "fsdp", f"must be a bool, got {self.fsdp!r}")
+        CHECK.integer("expert_parallel", self.expert_parallel, 1)
+        CHECK.boolean("fsdp", self.fsdp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,14 +142,14 @@ class CheckpointConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "dir", _path_or_none(self.dir))
-        require(self.dir is None or (isinstance(self.dir, str) and self.dir != ""), "checkpoint_dir",
-                f"must be None or a non-empty path, got {self.dir!r}")
-        require_int(self.every, "checkpoint_every", 0)
-        require_int(self.keep, "keep_checkpoints", 1)
-        require(isinstance(self.resume, bool), "resume", f"must be a bool, got {self.resume!r}")
-        require(isinstance(self.allow_schedule_change, bool), "allow_schedule_change",
-                f"must be a bool, got {self.allow_schedule_change!r}")
-        require(not self.resume or self.dir is not None, "resume", "resume=True needs a checkpoint_dir")
+        CHECK.require(self.dir is None or (isinstance(self.dir, str) and self.dir != ""), "checkpoint_dir", self.dir,
+                      "None or a non-empty path")
+        CHECK.integer("checkpoint_every", self.every, 0)
+        CHECK.integer("keep_checkpoints", self.keep, 1)
+        CHECK.boolean("resume", self.resume)
+        CHECK.boolean("allow_schedule_change", self.allow_schedule_change)
+        CHECK.require(not self.resume or self.dir is not None, "resume", self.resume, "False without a checkpoint_dir",
+                      "resume=True needs a checkpoint_dir")
 
 
 GROUPS: dict[str, type] = {"optimizer": OptimizerConfig, "data": DataConfig, "parallel": ParallelConfig,
