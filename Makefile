@@ -2,7 +2,8 @@
 #   make main   set up, run the CPU default sweep and regenerate the report
 #   make test   set up and run the test suite
 # Set-up is a virtualenv in .venv with the package installed editable (this builds kernels/cpu with
-# CMake) and a Jupyter kernel named "turbo-moe". It prints one line per stage, with the seconds so far.
+# CMake) and a Jupyter kernel named "turbo-moe" installed into the venv (so each clone has its own; the
+# venv's jupyter and papermill find it first). It prints one line per stage, with the seconds so far.
 #
 # The CUDA library (kernels/cuda, with the CUTLASS Hopper grouped GEMM) is built only where it can be
 # used: CUDA=auto (the default) builds it when `nvidia-smi -L` lists a GPU and nvcc is on PATH; CUDA=1
@@ -66,8 +67,8 @@ else
 endif
 	$(call stage,4/5,dependencies and the kernels (pip install -e .[dev]; CMake builds kernels/cpu$(if $(filter 1,$(WITH_CUDA)), and kernels/cuda,)))
 	$(PIP) install --no-build-isolation -e ".[dev]" $(PIP_BUILD)
-	$(call stage,5/5,Jupyter kernel "turbo-moe" and a check that the kernels load)
-	$(BIN)/python -m ipykernel install --user --name turbo-moe --display-name "Python (turbo-moe)" >/dev/null
+	$(call stage,5/5,Jupyter kernel "turbo-moe" in $(VENV) and a check that the kernels load)
+	$(BIN)/python -m ipykernel install --prefix $(abspath $(VENV)) --name turbo-moe --display-name "Python (turbo-moe)" >/dev/null
 	$(BIN)/python -c "import turbo_moe.ops as ops; print('turbo_moe kernels:', ops.ensure_registered())"
 	touch $(STAMP)
 	$(call stage,done,set-up finished)
@@ -100,8 +101,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as a failure"; fi; exit $$rc
 
-# --force: a fresh machine measures its own CPU points (the committed rows are kept in the table);
-# the report then draws these together with the committed GPU results.
+# --force: a fresh machine measures its own CPU points into experiments/results/ (git-ignored); the report
+# ingests them into experiments/runs/store/ (git-ignored) and draws them together with the committed results
+# into experiments/runs/report/, so `git status` stays clean (`turbo-moe report --publish` updates the
+# committed store and figures).
 # The sweep prints a result line per point and a summary table; that table is shown again at the very end,
 # after the report's own lines, with where the report is.
 MAIN_LOG := build/main-sweep.log
@@ -110,5 +113,5 @@ main: $(STAMP)
 	set -o pipefail; $(BIN)/turbo-moe sweep experiments/sweeps/cpu_default.yaml --force 2>&1 | tee $(MAIN_LOG)
 	$(BIN)/turbo-moe report
 	@echo; sed -n '/: done; this run/,/^table /p' $(MAIN_LOG)
-	@echo "report: experiments/figures/results.md (the results table), experiments/figures/*.png (the figures);" \
-	  "the executed report notebook: experiments/runs/report/04_report.ipynb"
+	@echo "report (git-ignored, this machine's runs beside the committed ones): experiments/runs/report/results.md" \
+	  "(the results table), experiments/runs/report/*.png (the figures), experiments/runs/report/04_report.ipynb"

@@ -54,7 +54,7 @@ def test_damaged_store_file_is_reported_by_name(tmp_path):
     store.write_campaign(tmp_path, "bad", [Record("b", "benchmark", "t", "t.csv")])
     damaged = tmp_path / "records" / "campaign=bad" / "part-0.parquet"
     damaged.write_bytes(damaged.read_bytes()[:40])  # a truncated copy
-    with pytest.raises(StoreError, match=r"campaign=bad/part-0.parquet: cannot read it"):
+    with pytest.raises(StoreError, match=r"campaign=bad/part-0.parquet: damaged"):
         store.read_records(tmp_path)
     assert store.read_records(tmp_path, ["good"])["record"].tolist() == ["a"]
     problems = store.verify(tmp_path)

@@ -66,7 +66,8 @@ def test_cli_report_in_process(tmp_path, capsys):
     shutil.copytree(FIXTURE, tmp_path / "results")
     assert cli.main(["report", "--experiments-dir", str(tmp_path), "--no-notebook"]) == 0
     out = capsys.readouterr().out
-    assert f"loss_curves: {tmp_path / 'figures' / 'loss_curves.png'}" in out
+    assert f"loss_curves: {tmp_path / 'runs' / 'report' / 'loss_curves.png'}" in out
+    assert not (tmp_path / "store").exists() and not (tmp_path / "figures").exists()  # nothing committed changes
 
 
 def test_cli_report_missing_notebook_is_clear(tmp_path, capsys):
@@ -90,8 +91,9 @@ def test_minimal_table_without_provenance_still_draws(tmp_path):
         append_row(tmp_path / "results" / "mini.csv", {"sweep": "mini", "point": f"b{batch}", "status": status,
                                                        "moe_path": "ragged", "per_device_batch": batch,
                                                        "tgs": 100.0 * batch if status == "ok" else None})
-    summary = report.build_report(tmp_path / "results", tmp_path / "figures")  # store: tmp_path / "store"
-    assert (tmp_path / "store" / "records" / "campaign=mini").is_dir()
+    summary = report.build_report(tmp_path / "results", tmp_path / "figures")  # store: this machine's
+    assert (tmp_path / "runs" / "store" / "records" / "campaign=mini").is_dir()
+    assert not (tmp_path / "store").exists()  # the committed store is written only by --publish
     assert summary.entries["tgs_vs_batch"].endswith("tgs_vs_batch.png")
     assert "| mini | ragged | 4 | oom |" in (tmp_path / "figures" / "results.md").read_text()
 

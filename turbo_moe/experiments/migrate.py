@@ -1,7 +1,12 @@
 """Bring result files (sweep tables, benchmark tables, JSON records, logs) into the results store.
 
     python -m turbo_moe.experiments.migrate [--results experiments/results] [--store experiments/store]
-                                           [--check FIGURES_BEFORE] [--remove]
+                                           [--campaign NAME] [--all] [--check] [--rehash]
+
+It writes into the store it is given (default: the committed ``experiments/store``); ``turbo-moe report``
+ingests into this machine's git-ignored store instead, and ``turbo-moe report --publish`` into the
+committed one. ``--rehash`` lists every file of a store written before files were checksummed in its
+``SHA256SUMS`` (check the files first, e.g. with ``git status``).
 
 Every file under the results folder belongs to a campaign: its top-level entry (``kernels_h200.csv`` ->
 ``kernels_h200``; ``gpu_paths_x_batch.csv`` and the folder ``gpu_paths_x_batch/`` -> ``gpu_paths_x_batch``).
@@ -453,7 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="after importing, rebuild every table and JSON record from the store and compare it with "
                         "its file, and draw the report both ways (files vs store) and compare the figures")
+    p.add_argument("--rehash", action="store_true",
+                   help="list every Parquet file of the store in its SHA256SUMS as it is now, and nothing else")
     args = p.parse_args(argv)
+    if args.rehash:
+        print(f"{args.store / store.MANIFEST}: {store.rehash(args.store)} files listed")
+        return 0
     ingest(args.results, args.store, campaigns=args.campaign, only_changed=not args.all, replace=args.all)
     if args.all:
         mark_superseded(args.store)

@@ -1,13 +1,26 @@
-"""The report: load every results table, draw the figures into ``experiments/figures/``, write a table.
+"""The report: read the results stores, draw the figures, write the results table.
+
+Where results live (``ReportPlaces``, from one experiments folder):
+
+    results/          live tables that sweeps and benchmarks write (git-ignored)
+    store/            the committed results store: curated campaigns, changed only by ``--publish``
+    runs/store/       this machine's store: ``turbo-moe report`` ingests results/ here (git-ignored)
+    runs/report/      the report drawn from both stores: figures, results.md, report.json, 04_report.ipynb
+    figures/          the committed report, drawn by ``turbo-moe report --publish`` from store/ alone
+                      (which also ingests results/ into store/ and writes docs/results.md)
+
+So a fresh clone's ``make main`` leaves ``git status`` clean, and its fresh runs are reported beside the
+committed ones (a local campaign whose name the committed store has is shown as ``<name> (local)``).
 
 ``build_report`` does everything in-process; ``run_report_notebook`` executes ``notebooks/04_report``
 (which calls ``load_report_data`` and ``draw`` cell by cell) through papermill. Figures whose data is
-missing are skipped with a note, never an error. Outputs::
+missing are skipped with a note, never an error; a campaign with a damaged store file is left out and
+named. Outputs in the figures folder::
 
-    figures/<name>.png      one file per figure (see FIGURES)
-    figures/results.md      a markdown results table (the README's table)
-    figures/report.json     manifest: figure -> file (relative to the figures folder) or skip note;
-                            no machine paths, identical for identical results
+    <name>.png      one file per figure (see ``figure_builders``)
+    results.md      a markdown results table (the README's table)
+    report.json     manifest: figure -> file (relative to the figures folder) or skip note;
+                    no machine paths, identical for identical results
 """
 
 from __future__ import annotations
@@ -21,25 +34,43 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from turbo_moe import provenance
-from turbo_moe.experiments import convergence, figures, results, store
+import turbo_moe
+from turbo_moe.experiments import convergence, figures, store
+from turbo_moe.experiments.report_data import (LOCAL_SUFFIX, MIN_CURVE_STEPS, ROUTING_PHASES,  # noqa: F401
+                                               ReportData, comparison_sweeps, load_report_data, routing_phases)
 
-MIN_CURVE_STEPS = 20  # shorter runs (throughput probes) are noise on a loss plot
-# Routing phases of a run, as fractions of its logged steps: the router as at init (before the warm-up
-# collapse) and the last quarter (balanced once the bias has caught up; docs/notes/routing.md).
-ROUTING_PHASES = {"init": (0.0, 0.05), "late": (0.75, 1.0)}
 MANIFEST = "report.json"
+# The report notebook of this clone (the package is installed editable from it).
+REPORT_NOTEBOOK = Path(turbo_moe.__file__).resolve().parents[1] / "notebooks" / "04_report.ipynb"
 
 
-@dataclasses.dataclass
-class ReportData:
-    """Everything the figures draw from."""
+@dataclasses.dataclass(frozen=True)
+class ReportPlaces:
+    """Where the report reads and writes, from one experiments folder (see the module docstring)."""
 
-    results: pd.DataFrame  # latest row per (sweep, point), with a ``path`` label column where known
-    histories: pd.DataFrame  # long format: sweep, point, label, moe_path, step, loss, eval_loss, ...
-    loads: dict[str, dict[str, np.ndarray]]  # sweep -> {label: (L_moe, E) final expert load}
-    kernels: pd.DataFrame  # kernel benchmark tables, concatenated
-    drop_penalty: list = dataclasses.field(default_factory=list)  # convergence.records_from_store
+    experiments: Path
+    publish: bool = False
+
+    @property
+    def results(self) -> Path:
+        return self.experiments / "results"
+
+    @property
+    def committed_store(self) -> Path:
+        return self.experiments / "store"
+
+    @property
+    def ingest_store(self) -> Path:
+        """Where results/ is ingested: the committed store when publishing, else this machine's."""
+        return self.committed_store if self.publish else self.experiments / "runs" / "store"
+
+    @property
+    def figures(self) -> Path:
+        return self.experiments / ("figures" if self.publish else "runs/report")
+
+    @property
+    def notebook_out(self) -> Path:
+        return self.experiments / "runs" / "report" / "04_report.ipynb"
 
 
 @dataclasses.dataclass
@@ -60,22 +91,14 @@ class ReportSummary:
         return cls(Path(figures_dir), json.loads((Path(figures_dir) / MANIFEST).read_text()))
 
 
-def comparison_sweeps(frame: pd.DataFrame) -> list[str]:
-    """Sweeps that compare paths at one setting (loss/load figures): each path label has one point,
-    whatever its status, and at least one point has a record. A batch or dataset sweep has several."""
-    frame = figures.with_path_labels(frame)
-    chosen = []
-    for sweep, rows in frame.groupby("sweep"):
-        recorded = rows[rows["status"].isin(["ok", "nan"]) & rows["record_path"].notna()]
-        if len(recorded) >= 1 and rows["path"].is_unique:
-            chosen.append(str(sweep))
-    return chosen
-
-
-def check_parameters(store_dir: str | Path, figures_dir: str | Path) -> tuple[Path, Path]:
+def check_parameters(store_dir: str | Path, figures_dir: str | Path,
+                     local_store_dir: str | Path | None = None) -> tuple[Path, Path]:
     """04's parameter check, before anything is drawn: ``store_dir`` must be a results store holding records;
-    ``figures_dir`` is created if its parent exists. ValueError names the parameter."""
+    ``local_store_dir`` None or a folder; ``figures_dir`` is created if its parent exists. ValueError names
+    the parameter."""
     store_path, figures_path = Path(store_dir), Path(figures_dir)
+    if local_store_dir is not None and not Path(local_store_dir).is_dir():
+        raise ValueError(f"parameter local_store_dir: {str(local_store_dir)!r} is not a folder (None: no local store)")
     if not store_path.is_dir():
         raise ValueError(f"parameter store_dir: {str(store_dir)!r} is not a folder "
                          f"(resolved: {store_path.resolve()})")
@@ -91,9 +114,12 @@ def check_parameters(store_dir: str | Path, figures_dir: str | Path) -> tuple[Pa
     return store_path, figures_path
 
 
-def default_store(results_dir: str | Path) -> Path:
-    """The store next to a results folder: experiments/results -> experiments/store."""
-    return Path(results_dir).parent / "store"
+def stores_to_read(committed: Path, ingest: Path) -> tuple[Path, Path | None]:
+    """(main store, local store or None): the committed store and the one results/ went into; the latter alone
+    when the committed store does not exist or is the same folder."""
+    if committed.is_dir() and (not ingest.is_dir() or committed.resolve() != ingest.resolve()):
+        return committed, ingest if ingest.is_dir() else None
+    return ingest, None
 
 
 def ingest_live_tables(results_dir: str | Path, store_dir: str | Path) -> dict[str, int]:
@@ -102,99 +128,6 @@ def ingest_live_tables(results_dir: str | Path, store_dir: str | Path) -> dict[s
     from turbo_moe.experiments import migrate
 
     return migrate.ingest(results_dir, store_dir, quiet=True)
-
-
-def _source_tables(store_dir: Path, campaigns: list[str], keep) -> list[tuple[str, str, pd.DataFrame]]:
-    """(campaign, source, table) for every top-level table of ``campaigns`` whose columns pass ``keep``,
-    rebuilt as it was written, with a ``store_record`` column (the record id of each row)."""
-    out = []
-    sources = store.read_sources(store_dir, campaigns)
-    sources = sources[(sources["format"] == "csv") & ~sources["path"].str.contains("/")]
-    records = store.read_records(store_dir, campaigns)
-    for _, source in sources.sort_values("path").iterrows():
-        columns = json.loads(source["columns"])
-        if not keep(source["path"], columns):
-            continue
-        rows = records[(records["campaign"] == source["campaign"]) & (records["source"] == source["path"])]
-        # Rows in the order they were measured (a table ingested again after a fresh run adds rows).
-        rows = rows.assign(_order=[json.loads(e).get("_row", i) for i, e in enumerate(rows["extra"])],
-                           _date=rows["date"].fillna("")).sort_values(["_date", "_order"], kind="stable")
-        table = store.table_frame(rows, columns)
-        if not table.empty:
-            out.append((source["campaign"], source["path"], table.assign(store_record=list(rows["record"]))))
-    return out
-
-
-def load_report_data(store_dir: str | Path = store.DEFAULT_STORE, campaigns: list[str] | None = None) -> ReportData:
-    """Sweep results, the comparison sweeps' histories and expert loads, and the kernel tables, from the
-    store (``campaigns``: default every campaign whose status is current)."""
-    store_dir = Path(store_dir)
-    if campaigns is None:
-        campaigns = store.current_campaigns(store_dir) if store_dir.is_dir() else []
-    sweeps = _source_tables(store_dir, campaigns, lambda path, cols: not Path(path).name.startswith("kernels_")
-                            and "point" in cols)
-    frames = []
-    for campaign, path, table in sweeps:
-        if "sweep" not in table:
-            table["sweep"] = Path(path).stem
-        frames.append(table.assign(campaign=campaign))
-    frame = results.latest_rows(pd.concat(frames, ignore_index=True)) if frames else pd.DataFrame()
-    records = store.read_records(store_dir, campaigns) if campaigns else pd.DataFrame(columns=["record", "extra"])
-    documents = {r: json.loads(e) for r, e in zip(records["record"], records["extra"])}
-    if not frame.empty:
-        frame["record_path"] = [r if "_record_file" in documents.get(r, {}) else None for r in frame["store_record"]]
-        loads_at_run = dict(zip(records["record"], [json.loads(p).get("load_per_core") for p in records["provenance"]]))
-        frame["load_per_core"] = [loads_at_run.get(r) for r in frame["store_record"]]
-        frame = figures.with_path_labels(frame)
-    histories, loads = [], {}
-    chosen = comparison_sweeps(frame) if not frame.empty else []
-    wanted = frame[frame["sweep"].isin(chosen) & frame["record_path"].notna()] if chosen else frame.iloc[0:0]
-    steps = store.read_history(store_dir, sorted(set(wanted["campaign"])), records=wanted["record_path"]) \
-        if len(wanted) else pd.DataFrame()
-    for _, row in wanted.iterrows():
-        history = steps[steps["record"] == row["record_path"]].drop(columns=["campaign", "record"]) \
-            .dropna(axis=1, how="all").reset_index(drop=True)
-        if len(history) >= MIN_CURVE_STEPS and "step" in history:
-            histories.append(history.assign(sweep=row["sweep"], point=row["point"], label=row["path"],
-                                            moe_path=row["moe_path"]))
-        load = documents[row["record_path"]].get("document", {}).get("expert_load")
-        if load:
-            loads.setdefault(row["sweep"], {})[row["path"]] = np.asarray(load, dtype=float)
-    kernel_tables = _source_tables(store_dir, campaigns, lambda path, cols: Path(path).name.startswith("kernels_")
-                                   and {"shape", "impl", "tflops"} <= set(cols))
-    kernels = [_schema_columns(t.drop(columns="store_record")).assign(table=Path(p).stem, campaign=c)
-               for c, p, t in kernel_tables]
-    kernels = pd.concat(kernels, ignore_index=True) if kernels else pd.DataFrame()
-    histories = pd.concat(histories, ignore_index=True) if histories else pd.DataFrame()
-    phases = routing_phases(histories)
-    if not phases.empty:
-        frame = frame.merge(phases, on=["sweep", "point"], how="left")
-    return ReportData(results=frame, histories=histories, loads=loads, kernels=kernels,
-                      drop_penalty=convergence.records_from_store(store_dir, campaigns))
-
-
-def _schema_columns(table: pd.DataFrame) -> pd.DataFrame:
-    """Old benchmark tables spelled provenance ``device``/``jax``/``commit``: the schema's names instead."""
-    renames = {old: new for old, new in provenance.LEGACY_NAMES.items() if old in table and new not in table}
-    return table.rename(columns=renames)
-
-
-def routing_phases(histories: pd.DataFrame) -> pd.DataFrame:
-    """Per (sweep, point): mean dropped fraction and max/mean expert load in each ROUTING_PHASES window
-    (columns dropped_<phase>, load_<phase>). The first window is at least one step."""
-    if histories.empty or "load_max_over_mean" not in histories:
-        return pd.DataFrame()
-    rows = []
-    for (sweep, point), run in histories.groupby(["sweep", "point"], sort=False):
-        run = run.sort_values("step").reset_index(drop=True)
-        row = {"sweep": sweep, "point": point}
-        for phase, (lo, hi) in ROUTING_PHASES.items():
-            part = run.iloc[int(lo * len(run)):max(int(hi * len(run)), int(lo * len(run)) + 1)]
-            for column, name in (("dropped_fraction", "dropped"), ("load_max_over_mean", "load")):
-                values = pd.to_numeric(part.get(column, pd.Series(dtype=float)), errors="coerce")
-                row[f"{name}_{phase}"] = float(values.mean()) if values.notna().any() else np.nan
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 def _drop_penalty(records: list[dict]):
@@ -286,10 +219,21 @@ def results_markdown(frame: pd.DataFrame) -> str:
         frame["git_commit"] = [figures.short_commit(str(c)) if isinstance(c, str) else c for c in frame["git_commit"]]
     if "date" in frame:
         frame["date"] = [d[:10] if isinstance(d, str) else d for d in frame["date"]]
-    for _, row in frame[present].iterrows():
-        lines.append("| " + " | ".join(_fmt(row[c]) for c in present) + " |")
+    invalid = frame["invalid"] if "invalid" in frame else pd.Series(None, index=frame.index)
+    for (_, row), flagged in zip(frame[present].iterrows(), invalid):
+        flagged = flagged if isinstance(flagged, dict) else {}
+        lines.append("| " + " | ".join(f"invalid ({flagged[c]})" if c in flagged else _fmt(row[c])
+                                       for c in present) + " |")
     note = figures.load_note(frame)
     return "\n".join(lines) + "\n" + (f"\n_{note}._\n" if note else "")
+
+
+def left_out_markdown(data: ReportData) -> str:
+    """A line naming each campaign the report could not read (empty when there is none)."""
+    if not data.left_out:
+        return ""
+    return "\n_Not drawn (a damaged results store file): " + "; ".join(
+        f"campaign {label}: {why}" for label, why in data.left_out.items()) + "._\n"
 
 
 def _fmt(value: object) -> str:
@@ -301,14 +245,17 @@ def _fmt(value: object) -> str:
 
 
 def build_report(results_dir: str | Path, figures_dir: str | Path, *, store_dir: str | Path | None = None,
-                 close: bool = True) -> ReportSummary:
-    """Ingest the live tables of ``results_dir`` into the store (default: its sibling ``store``), then draw
-    every figure and the results table from the store into ``figures_dir``."""
-    store_dir = Path(store_dir) if store_dir is not None else default_store(results_dir)
+                 committed_store: str | Path | None = None, close: bool = True) -> ReportSummary:
+    """Ingest the live tables of ``results_dir`` into ``store_dir`` (default: this machine's store,
+    ``<experiments>/runs/store``), then draw every figure and the results table from the committed store
+    (default: ``<experiments>/store``) and ``store_dir`` into ``figures_dir``."""
+    places = ReportPlaces(Path(results_dir).parent)
+    store_dir = Path(store_dir) if store_dir is not None else places.ingest_store
     ingest_live_tables(results_dir, store_dir)
-    data = load_report_data(store_dir)
+    main, local = stores_to_read(Path(committed_store) if committed_store else places.committed_store, store_dir)
+    data = load_report_data(main, local_store=local)
     summary = draw_report(data, figures_dir, close=close)
-    write_results_page(data, store_dir, figures_dir)
+    write_results_page(data, main, figures_dir)
     return summary
 
 
@@ -322,9 +269,20 @@ def write_results_page(data: ReportData, store_dir: str | Path, figures_dir: str
     return out
 
 
+def note_problems(data: ReportData, summary: ReportSummary | None = None) -> None:
+    """Print every problem met while reading (a campaign left out, a value flagged as invalid); each campaign
+    left out gets a skip note in the manifest."""
+    for line in data.problems:
+        print(f"warning: {line}")
+    if summary is not None:
+        for label, why in data.left_out.items():
+            summary.entries[f"campaign {label}"] = f"skipped: {why}"
+
+
 def draw_report(data: ReportData, figures_dir: str | Path, *, close: bool = True) -> ReportSummary:
     summary = ReportSummary(Path(figures_dir))
     Path(figures_dir).mkdir(parents=True, exist_ok=True)
+    note_problems(data, summary)
     for name, builder in figure_builders(data).items():
         fig = draw(name, builder, figures_dir, summary)
         if fig is not None and close:
@@ -354,7 +312,7 @@ def results_page(data: ReportData, store_dir: str | Path) -> str:
         commits = ", ".join(sorted({figures.short_commit(c) for c in rows["git_commit"].dropna()}))
         devices = ", ".join(sorted(set(rows["device"].dropna())))
         lines.append(f"| {name} | {_fmt(meta.get('title'))} | {devices} | {span} | {commits} | {len(rows)} |")
-    lines += ["", "## Sweep points", "", results_markdown(data.results)]
+    lines += ["", "## Sweep points", "", results_markdown(data.results) + left_out_markdown(data)]
     if not data.kernels.empty and {"shape", "impl", "tflops", "op"} <= set(data.kernels):
         best = data.kernels[pd.to_numeric(data.kernels["tflops"], errors="coerce").notna()]
         best = best.assign(tflops=best["tflops"].astype(float))
@@ -379,30 +337,74 @@ def results_page(data: ReportData, store_dir: str | Path) -> str:
 
 def write_results_table(data: ReportData, figures_dir: str | Path, summary: ReportSummary) -> Path:
     out = Path(figures_dir) / "results.md"
-    out.write_text(results_markdown(data.results))
+    out.write_text(results_markdown(data.results) + left_out_markdown(data))
     summary.entries["results_table"] = out.name
     return out
 
 
 def run_report_notebook(
-    notebook: str | Path, out: str | Path, results_dir: str | Path, figures_dir: str | Path, *,
-    kernel: str = "turbo-moe", store_dir: str | Path | None = None,
+    notebook: str | Path | None, out: str | Path, results_dir: str | Path, figures_dir: str | Path, *,
+    kernel: str = "turbo-moe", store_dir: str | Path | None = None, committed_store: str | Path | None = None,
 ) -> ReportSummary:
-    """Ingest the live tables of ``results_dir`` into the store, then execute the report notebook on the
-    store through papermill; returns the manifest it wrote."""
+    """Ingest the live tables of ``results_dir`` into ``store_dir`` (as ``build_report``), then execute the
+    report notebook (default: this clone's ``REPORT_NOTEBOOK``) on the stores through papermill; returns the
+    manifest it wrote."""
     import papermill
 
     from turbo_moe.experiments.runner import check_kernel
 
-    notebook = Path(notebook)
+    notebook = Path(notebook) if notebook is not None else REPORT_NOTEBOOK
     if not notebook.is_file():
-        raise ValueError(f"report notebook {str(notebook)!r} does not exist (run from the repository root)")
-    check_kernel(kernel)
-    store_dir = Path(store_dir) if store_dir is not None else default_store(results_dir)
+        raise ValueError(f"report notebook {str(notebook)!r} does not exist (resolved: {notebook.resolve()}); "
+                         "pass --notebook PATH, or --no-notebook to draw in this process")
+    check_kernel(kernel, cwd=notebook.parent)
+    places = ReportPlaces(Path(results_dir).parent)
+    store_dir = Path(store_dir) if store_dir is not None else places.ingest_store
     ingest_live_tables(results_dir, store_dir)
+    main, local = stores_to_read(Path(committed_store) if committed_store else places.committed_store, store_dir)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(
         str(notebook), str(out), kernel_name=kernel, cwd=str(notebook.parent), progress_bar=False,
-        parameters={"store_dir": str(store_dir.resolve()), "figures_dir": str(Path(figures_dir).resolve())},
+        parameters={"store_dir": str(main.resolve()), "figures_dir": str(Path(figures_dir).resolve()),
+                    "local_store_dir": str(local.resolve()) if local is not None else None},
     )
     return ReportSummary.load(Path(figures_dir))
+
+
+def report_command(experiments_dir: Path | None, *, notebook: Path | None = None, kernel: str = "turbo-moe",
+                   in_process: bool = False, publish: bool = False) -> int:
+    """``turbo-moe report``: ingest, draw, print where everything is (see ``ReportPlaces``). ValueError for a
+    bad argument, naming it. Runs from any folder: the defaults are this clone's experiments/ and notebook."""
+    from turbo_moe.experiments.results import scan_results
+
+    experiments = Path(experiments_dir) if experiments_dir is not None else REPORT_NOTEBOOK.parents[1] / "experiments"
+    if not experiments.is_dir():
+        raise ValueError(f"--experiments-dir {str(experiments)!r} is not a folder (resolved: {experiments.resolve()}); "
+                         "give the folder that holds results/")
+    places = ReportPlaces(experiments, publish=publish)
+    if not any(places.results.glob("*.csv")) and not places.committed_store.is_dir() \
+            and not places.ingest_store.is_dir():
+        raise ValueError(f"--experiments-dir {str(experiments)!r}: {places.results} holds no results tables (*.csv); "
+                         "run a sweep first (turbo-moe sweep experiments/sweeps/cpu_default.yaml)")
+    problems = scan_results(places.results)  # the report leaves these out: say so here, where it is seen
+    for line in problems:
+        print(f"warning: {line}")
+    if in_process:
+        built = build_report(places.results, places.figures, store_dir=places.ingest_store)
+    else:
+        try:
+            built = run_report_notebook(notebook, places.notebook_out, places.results, places.figures, kernel=kernel,
+                                        store_dir=places.ingest_store)
+        except Exception as exc:  # a failed cell: its one-line error and where the full notebook is
+            if type(exc).__name__ != "PapermillExecutionError":
+                raise
+            raise ValueError(f"the report notebook failed: {exc.ename}: {' '.join(str(exc.evalue).split())[:500]} "
+                             f"(the executed notebook with the traceback: {places.notebook_out})") from None
+    for line in built.lines():
+        print(line)
+    if problems:
+        print(f"{len(problems)} problem(s) in {places.results} were left out of the report (warnings above)")
+    if not publish:
+        print(f"this machine's results: store {places.ingest_store}, report {places.figures} (both git-ignored); "
+              "--publish draws the committed report from experiments/store")
+    return 0

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from turbo_moe.experiments import results, sweep_output
+from turbo_moe.experiments.kernel_check import check_kernel
 from turbo_moe.experiments.lock import SweepLock
 from turbo_moe.experiments.spec import SweepPoint, SweepSpec, params_key
 from turbo_moe.provenance import collect as collect_provenance
@@ -208,7 +209,7 @@ def _run_locked(spec, layout, force, only, kernel, progress, log, budget_s, star
         log(line)
     experiments = layout.results_dir.parent
     log(f"table {layout.table}; records in {layout.results_dir / spec.name}")
-    log(f"report: turbo-moe report --experiments-dir {experiments} (figures in {experiments / 'figures'})")
+    log(f"report: turbo-moe report --experiments-dir {experiments} (figures in {experiments / 'runs' / 'report'})")
     return rows
 
 
@@ -216,6 +217,7 @@ def _run_point_isolated(spec: SweepSpec, point: SweepPoint, layout: SweepLayout,
     """``run_point``, and if the runner itself fails on this point's outcome, an error row saying so."""
     start = time.perf_counter()
     try:
+        check_kernel(kernel)  # the kernel as installed now (another install may have replaced it mid-sweep)
         return run_point(spec, point, layout=layout, kernel=kernel)
     except Exception as exc:  # isolation: one odd point never stops the sweep
         return build_row(spec.name, point, "error", f"the sweep runner failed on this point: "
@@ -378,19 +380,6 @@ def execute_notebook(spec: SweepSpec, params: dict[str, Any], notebook_out: Path
     except Exception as exc:  # isolation: any failure of one point becomes its row, the sweep goes on
         return classify_error(exc)
     return "ok", None
-
-
-def check_kernel(name: str) -> None:
-    """Raise a ValueError with the fix when the Jupyter kernel ``name`` is not installed."""
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
-
-    try:
-        KernelSpecManager().get_kernel_spec(name)
-    except NoSuchKernel:
-        raise ValueError(
-            f"Jupyter kernel {name!r} is not installed; install it for this environment with "
-            f"`python -m ipykernel install --user --name {name}` or pass --kernel NAME"
-        ) from None
 
 
 def classify_error(exc: BaseException) -> tuple[str, str]:

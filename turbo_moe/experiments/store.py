@@ -16,6 +16,16 @@ belongs together (a sweep, one benchmark's tables); ``status`` says whether the 
 
 Writes replace a campaign's files atomically (temporary file, then rename); an upsert keeps the records
 it does not name. A file that cannot be read raises ``StoreError`` naming it: nothing is dropped silently.
+
+Damage is detected, not drawn: every file's sha256 is listed in ``<store>/SHA256SUMS`` (the format of
+``sha256sum``, so ``cd experiments/store && sha256sum -c SHA256SUMS`` checks it too) and checked on every
+read; Parquet page checksums are written and verified as well. Writers take turns (``flock`` on the store
+folder); while a file is replaced the manifest lists both its old and its new hash, so a kill at any
+moment leaves a store that reads. ``rehash`` lists the files of a store that has no manifest yet.
+
+A summary value that cannot be a measurement (inf, -inf, NaN in a run that ended ok, a negative time or
+throughput) is flagged where it enters the store: the record's ``extra["_invalid"]`` maps the metric to
+its value as text, and the report shows it as invalid instead of drawing it (``invalid_metrics``).
 """
 
 from __future__ import annotations
@@ -24,8 +34,6 @@ import dataclasses
 import io
 import json
 import math
-import os
-import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,9 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from turbo_moe.experiments.store_files import (MANIFEST, StoreError, check_file, read_manifest, rehash,  # noqa: F401
+                                               remove, store_files, store_lock, write_parquet)
 
 DEFAULT_STORE = Path("experiments") / "store"
 CAMPAIGN_STATUSES = ("current", "superseded", "history")
@@ -73,10 +84,6 @@ _DATASETS = {"records": RECORD_SCHEMA, "history": HISTORY_SCHEMA, "sources": SOU
 _JSON_COLUMNS = ("config", "provenance", "summary", "extra")
 
 
-class StoreError(ValueError):
-    """A store file that cannot be read or a record that breaks the schema; the message names it."""
-
-
 @dataclasses.dataclass
 class Record:
     """One run or benchmark case. ``history``: one mapping per logged step (``step`` plus numbers)."""
@@ -97,11 +104,14 @@ class Record:
         if self.kind not in RECORD_KINDS:
             raise StoreError(f"record {self.record!r}: kind must be one of {RECORD_KINDS}, got {self.kind!r}")
         prov = self.provenance
+        invalid = invalid_metrics(self.summary, self.status)
+        extra = {**self.extra, "_invalid": invalid} if invalid else self.extra
         return {"record": self.record, "kind": self.kind, "table": self.table, "source": self.source,
                 "status": _text(self.status), "error": _text(self.error),
                 "date": _text(prov.get("date")), "git_commit": _text(prov.get("git_commit", prov.get("commit"))),
                 "device": _text(prov.get("device_kind", prov.get("device"))),
-                **{name: to_json(getattr(self, name)) for name in _JSON_COLUMNS}}
+                **{name: to_json(getattr(self, name)) for name in ("config", "provenance", "summary")},
+                "extra": to_json(extra)}
 
     def history_rows(self) -> list[dict[str, Any]]:
         rows = []
@@ -111,6 +121,33 @@ class Record:
                 if metric != "step" and _number(value):
                     rows.append({"record": self.record, "step": int(step), "metric": metric, "value": float(value)})
         return rows
+
+
+# Summary metrics that are never negative (words of the name, as migrate splits them); a name that also holds
+# one of the _SIGNED words is a difference and may be.
+_NON_NEGATIVE = {"tgs", "mfu", "tflops", "gflops", "gbps", "ms", "s", "bytes", "gib", "flops", "tokens", "time",
+                 "seconds", "memory", "loss", "ce", "dropped", "load"}
+_SIGNED = {"diff", "delta", "gap", "penalty", "change", "log", "margin", "rel", "error", "over", "vs"}
+
+
+# Measured in every run that ends ok: NaN there is a broken measurement (elsewhere NaN means "not
+# measured", e.g. MFU on a CPU without a known peak, the eval loss of a run without evaluations).
+_REQUIRED_WHEN_OK = {"tgs", "final_loss"}
+
+
+def invalid_metrics(summary: Mapping[str, Any], status: str | None = None) -> dict[str, str]:
+    """{metric: value as text} for the summary numbers that cannot be measurements: inf or -inf; NaN where an
+    ok run must have a value (``_REQUIRED_WHEN_OK``; a run whose loss went NaN has status "nan"); a negative
+    throughput, time, size, fraction or loss (``_NON_NEGATIVE``)."""
+    flagged = {}
+    for name, value in summary.items():
+        if not _number(value):
+            continue
+        words = set(str(name).lower().replace("-", "_").replace(".", "_").split("_"))
+        nan_here = math.isnan(value) and status in (None, "ok") and name in _REQUIRED_WHEN_OK
+        if math.isinf(value) or nan_here or (value < 0 and words & _NON_NEGATIVE and not words & _SIGNED):
+            flagged[str(name)] = "NaN" if math.isnan(value) else f"{value:g}"
+    return flagged
 
 
 def _text(value: Any) -> str | None:
@@ -142,17 +179,6 @@ def _partition(store: Path, dataset: str, campaign: str) -> Path:
     return Path(store) / dataset / f"campaign={campaign}" / "part-0.parquet"
 
 
-def _write_parquet(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        pq.write_table(table, tmp, compression="zstd", compression_level=15)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _table(rows: Sequence[Mapping[str, Any]] | pd.DataFrame, schema: pa.Schema) -> pa.Table:
     frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows), columns=schema.names)
     frame = frame.reindex(columns=schema.names)
@@ -177,16 +203,17 @@ def write_campaign(store: str | Path, campaign: str, records: Iterable[Record], 
            "sources": pd.DataFrame(list(sources), columns=SOURCE_SCHEMA.names)}
     keys = {"records": ("record", set(ids)), "history": ("record", set(ids)),
             "sources": ("path", {s["path"] for s in sources})}
-    for dataset, frame in new.items():
-        path = _partition(store, dataset, campaign)
-        if not replace and path.exists():
-            old = read_partition(path, _DATASETS[dataset])
-            column, names = keys[dataset]
-            frame = pd.concat([old[~old[column].isin(names)], frame], ignore_index=True)
-        if frame.empty and dataset != "records":
-            path.unlink(missing_ok=True)
-            continue
-        _write_parquet(_table(frame, _DATASETS[dataset]), path)
+    with store_lock(store):  # read-modify-write: another writer must not slip in between
+        for dataset, frame in new.items():
+            path = _partition(store, dataset, campaign)
+            if not replace and path.exists():
+                old = read_partition(path, _DATASETS[dataset])
+                column, names = keys[dataset]
+                frame = pd.concat([old[~old[column].isin(names)], frame], ignore_index=True)
+            if frame.empty and dataset != "records":
+                remove(store, path)
+                continue
+            write_parquet(store, _table(frame, _DATASETS[dataset]), path)
     return len(records)
 
 
@@ -197,28 +224,35 @@ def write_campaigns(store: str | Path, rows: Iterable[Mapping[str, Any]]) -> Non
         if row.get("status", "current") not in CAMPAIGN_STATUSES:
             raise StoreError(f"campaign {row.get('campaign')!r}: status must be one of {CAMPAIGN_STATUSES}, "
                              f"got {row.get('status')!r}")
-    path = Path(store) / "campaigns.parquet"
+    store = Path(store)
+    path = store / "campaigns.parquet"
     frame = pd.DataFrame(rows, columns=CAMPAIGN_SCHEMA.names)
     frame["status"] = frame["status"].fillna("current")
-    if path.exists():
-        old = read_partition(path, CAMPAIGN_SCHEMA)
-        frame = pd.concat([old[~old["campaign"].isin(frame["campaign"])], frame], ignore_index=True)
-    _write_parquet(_table(frame.sort_values("campaign"), CAMPAIGN_SCHEMA), path)
+    with store_lock(store):
+        if path.exists():
+            old = read_partition(path, CAMPAIGN_SCHEMA)
+            frame = pd.concat([old[~old["campaign"].isin(frame["campaign"])], frame], ignore_index=True)
+        write_parquet(store, _table(frame.sort_values("campaign"), CAMPAIGN_SCHEMA), path)
 
 
 # ------------------------------------------------------------------------------------------------------ read
 
 def read_partition(path: str | Path, schema: pa.Schema) -> pd.DataFrame:
-    """One Parquet file as a frame with ``schema``'s columns; StoreError naming the file if it is unreadable."""
+    """One Parquet file as a frame with ``schema``'s columns, after its sha256 and page checksums are checked;
+    StoreError naming the file if it is damaged or unreadable."""
+    check_file(path)
     try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as exc:
-        raise StoreError(f"results store file {path}: cannot read it ({exc}); restore it from git "
-                         f"(git checkout -- {path}) or run the migration again") from None
-    missing = [c for c in schema.names if c not in table.column_names]
-    if missing:
-        raise StoreError(f"results store file {path}: columns {missing} missing (expected {schema.names})")
-    return table.select(schema.names).to_pandas()
+        table = pq.read_table(path, page_checksum_verification=True)
+        missing = [c for c in schema.names if c not in table.column_names]
+        if missing:
+            raise StoreError(f"results store file {path}: columns {missing} missing (expected {schema.names})")
+        return table.select(schema.names).to_pandas()
+    except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as exc:
+        if isinstance(exc, StoreError):
+            raise
+        raise StoreError(f"results store file {path}: cannot read it ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:200]}); restore it from git (git checkout -- {path}) or run "
+                         "the ingest again") from None
 
 
 def campaign_names(store: str | Path, dataset: str = "records") -> list[str]:
@@ -312,15 +346,26 @@ def record_dict(row: Mapping[str, Any], history: pd.DataFrame | None = None) -> 
     return out
 
 
+def check_campaign(store: str | Path, campaign: str) -> None:
+    """StoreError naming the first damaged file of ``campaign`` (records, history, sources)."""
+    for dataset in _DATASETS:
+        path = _partition(Path(store), dataset, campaign)
+        if path.exists():
+            check_file(path)
+
+
 def verify(store: str | Path = DEFAULT_STORE) -> list[str]:
     """Read every file of the store; returns one line per problem (an empty list: all readable)."""
+    store = Path(store)
     problems = []
-    for dataset in _DATASETS:
-        for name in campaign_names(store, dataset):
-            try:
-                read_partition(_partition(Path(store), dataset, name), _DATASETS[dataset])
-            except StoreError as exc:
-                problems.append(str(exc))
+    for path in store_files(store):
+        try:
+            check_file(path)
+        except StoreError as exc:
+            problems.append(str(exc))
+    listed = read_manifest(store) or {}
+    problems += [f"results store file {store / name}: listed in {MANIFEST} but missing" for name in sorted(listed)
+                 if not (store / name).exists()]
     return problems
 
 
@@ -341,10 +386,13 @@ def row_values(row: Mapping[str, Any]) -> dict[str, Any]:
     return base
 
 
-def table_frame(records: pd.DataFrame, columns: Sequence[str], history: pd.DataFrame | None = None) -> pd.DataFrame:
+def table_frame(records: pd.DataFrame, columns: Sequence[str], history: pd.DataFrame | None = None, *,
+                key: str | None = None) -> pd.DataFrame:
     """The table that ``records`` (rows of one source table) were read from, columns in ``columns`` order,
-    parsed as ``results.read_table`` parses a results table (same dtypes, so figures draw the same)."""
-    lines: list[tuple[Any, dict[str, Any]]] = []
+    parsed as ``results.read_table`` parses a results table (same dtypes, so figures draw the same).
+    ``key``: also a column of that name holding each line's record id (the key that joins a line to its
+    record and history; lines are sorted back into their table's order, so a position means nothing)."""
+    lines: list[tuple[Any, dict[str, Any], str]] = []
     for _, row in records.iterrows():
         extra = json.loads(row["extra"]) if isinstance(row["extra"], str) else {}
         base = row_values(row)
@@ -357,13 +405,16 @@ def table_frame(records: pd.DataFrame, columns: Sequence[str], history: pd.DataF
                 values = {c: by_step[step].get(c) for c in extra["_varying"]}
                 values.update({c: int(values[c]) for c in extra.get("_ints", []) if values.get(c) is not None})
                 values.update({c: v[i] for c, v in text.items()})
-                lines.append((order, {**base, "step": step, **values}))
+                lines.append((order, {**base, "step": step, **values}, row["record"]))
         else:
-            lines.append((extra.get("_row", len(lines)), base))
+            lines.append((extra.get("_row", len(lines)), base, row["record"]))
     lines.sort(key=lambda item: item[0])
-    cells = [{c: _cell(values.get(c)) for c in columns} for _, values in lines]
+    cells = [{c: _cell(values.get(c)) for c in columns} for _, values, _ in lines]
     text = pd.DataFrame(cells, columns=list(columns)).to_csv(index=False)
-    return pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+    frame = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+    if key is not None:
+        frame[key] = [record for _, _, record in lines]
+    return frame
 
 
 def _cell(value: Any) -> Any:
