@@ -58,10 +58,11 @@ from turbo_moe.model.expert_parallel import ep_moe_path  # noqa: E402
 from turbo_moe.model.experts import ExpertWeights  # noqa: E402
 from turbo_moe.model.router import Routing  # noqa: E402
 from turbo_moe.ops.ragged_exchange import default_impl, exchange_plan, ragged_exchange  # noqa: E402
+from turbo_moe.shapes import DEEPSEEK_V3, REDUCED  # noqa: E402
 
 SHAPES = {  # name: (tokens per rank, hidden, top_k, experts, moe_ffn_dim)
-    "dsv3": (4096, 7168, 8, 256, 2048),
-    "reduced": (4096, 1280, 6, 64, 512),
+    **{name: (4096, s.d_model, s.top_k, s.n_experts, s.moe_ffn_dim) for name, s in (("dsv3", DEEPSEEK_V3),
+                                                                                     ("reduced", REDUCED))},
     "smoke": (64, 32, 3, 8, 16),
 }
 # Device-to-host traffic in compiled HLO: host send/recv, in/outfeed, Python callbacks.

@@ -42,6 +42,7 @@ from _records import write_table_and_record
 from grouped_gemm import EventTimer, routing_sizes
 
 from turbo_moe import ops
+from turbo_moe.shapes import DEEPSEEK_V3, REDUCED
 from turbo_moe.ops.grouped_gemm_fp8 import (
     quantize_blocks,
     quantize_group_columns_xla,
@@ -71,7 +72,10 @@ class Case:
         return self.T * self.k
 
 
-CASES = [Case("dsv3_G32", 8192, 8, 7168, 2048, 32, 2048), Case("reduced_G64", 16384, 6, 1280, 1024, 64, 512)]
+CASES = [Case("dsv3_G32", 8192, DEEPSEEK_V3.top_k, DEEPSEEK_V3.d_model, DEEPSEEK_V3.moe_ffn_dim,
+              DEEPSEEK_V3.local_experts(8), DEEPSEEK_V3.moe_ffn_dim),  # expert parallelism 8, gate and up apart
+         Case("reduced_G64", 16384, REDUCED.top_k, REDUCED.d_model, 2 * REDUCED.moe_ffn_dim, REDUCED.n_experts,
+              REDUCED.moe_ffn_dim)]  # fused gate_up
 
 
 # ---- the FP8 op before the fusion (its VJP rules as they were), for the side-by-side row ---------------------------

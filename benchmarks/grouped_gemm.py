@@ -31,6 +31,7 @@ from turbo_moe import ops
 from turbo_moe.provenance import TABLE_COLUMNS
 from turbo_moe.provenance import collect as collect_provenance
 from turbo_moe.ops import _ffi
+from turbo_moe.shapes import DEEPSEEK_V2_LITE, DEEPSEEK_V3, REDUCED
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,16 +51,18 @@ class Shape:
 
 def deepseek_shapes(quick: bool) -> list[Shape]:
     shapes = []
-    for G in (32, 256):
-        for M in (32768, 65536):
-            shapes += [Shape(f"dsv3_gate_up_G{G}_M{M}", M, 7168, 2048, G),
-                       Shape(f"dsv3_fused_gate_up_G{G}_M{M}", M, 7168, 4096, G),
-                       Shape(f"dsv3_down_G{G}_M{M}", M, 2048, 7168, G)]
-    shapes.append(Shape("dsv2_lite_G64_M65536", 65536, 2048, 1408, 64))
-    # `reduced` (d_model 1280, moe_ffn_dim 512, 64 experts, top-6): batch 8 x 2048 and 4 x 2048 tokens
-    for M in (98304, 49152):
-        shapes += [Shape(f"reduced_gate_up_G64_M{M}", M, 1280, 1024, 64),
-                   Shape(f"reduced_down_G64_M{M}", M, 512, 1280, 64)]
+    v3, lite, red = DEEPSEEK_V3, DEEPSEEK_V2_LITE, REDUCED
+    for G in (v3.local_experts(8), v3.n_experts):  # expert parallelism 8, and every expert on one device
+        for M in (4096 * v3.top_k, 8192 * v3.top_k):
+            shapes += [Shape(f"dsv3_gate_up_G{G}_M{M}", M, v3.d_model, v3.moe_ffn_dim, G),
+                       Shape(f"dsv3_fused_gate_up_G{G}_M{M}", M, v3.d_model, 2 * v3.moe_ffn_dim, G),
+                       Shape(f"dsv3_down_G{G}_M{M}", M, v3.moe_ffn_dim, v3.d_model, G)]
+    M = 65536
+    shapes.append(Shape(f"dsv2_lite_G{lite.n_experts}_M{M}", M, lite.d_model, lite.moe_ffn_dim, lite.n_experts))
+    # `reduced`: batch 8 x 2048 and 4 x 2048 tokens, fused gate_up
+    for M in (8 * 2048 * red.top_k, 4 * 2048 * red.top_k):
+        shapes += [Shape(f"reduced_gate_up_G{red.n_experts}_M{M}", M, red.d_model, 2 * red.moe_ffn_dim, red.n_experts),
+                   Shape(f"reduced_down_G{red.n_experts}_M{M}", M, red.moe_ffn_dim, red.d_model, red.n_experts)]
     if quick:
         shapes = [s for s in shapes if s.name in ("dsv3_gate_up_G32_M32768", "dsv3_down_G256_M32768",
                                                   "dsv2_lite_G64_M65536")]
@@ -247,7 +250,8 @@ def print_progress(rows, shape, routing):
 
 # ---- permute / unpermute bandwidth -------------------------------------------------------------------
 def run_permute(timer, args, rows):
-    for T, H, k, E in [(32768, 7168, 8, 256), (65536, 2048, 6, 64), (16384, 1280, 6, 64)]:  # V3, V2-Lite, `reduced`
+    for T, shape in ((32768, DEEPSEEK_V3), (65536, DEEPSEEK_V2_LITE), (16384, REDUCED)):
+        H, k, E = shape.d_model, shape.top_k, shape.n_experts
         kx, ki, kw = jax.random.split(jax.random.PRNGKey(T + H), 3)
         x = jax.random.normal(kx, (T, H), jnp.bfloat16)
         ids = jax.random.randint(ki, (T, k), 0, E, jnp.int32)

@@ -30,6 +30,7 @@ from _records import write_table_and_record
 from grouped_gemm import EventTimer, Shape, routing_sizes
 
 from turbo_moe import ops
+from turbo_moe.shapes import DEEPSEEK_V3, REDUCED
 from turbo_moe.ops.grouped_gemm_fp8 import (
     quantize_blocks,
     quantize_group_columns,
@@ -43,11 +44,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def shapes(which: str, quick: bool) -> list[Shape]:
     # DeepSeek-V3: 8192 tokens x top-8 routed rows over 32 local experts (EP=8) or all 256.
-    dsv3 = {g: [Shape(f"dsv3_gate_up_G{g}_M65536", 65536, 7168, 2048, g),
-                Shape(f"dsv3_down_G{g}_M65536", 65536, 2048, 7168, g)] for g in (32, 256)}
-    # `reduced`: d_model 1280, moe_ffn_dim 512, 64 experts, top-6, 8 x 2048 tokens
-    reduced = [Shape("reduced_gate_up_G64_M98304", 98304, 1280, 1024, 64),
-               Shape("reduced_down_G64_M98304", 98304, 512, 1280, 64)]
+    v3, red, m = DEEPSEEK_V3, REDUCED, 8192 * DEEPSEEK_V3.top_k
+    dsv3 = {g: [Shape(f"dsv3_gate_up_G{g}_M{m}", m, v3.d_model, v3.moe_ffn_dim, g),
+                Shape(f"dsv3_down_G{g}_M{m}", m, v3.moe_ffn_dim, v3.d_model, g)]
+            for g in (v3.local_experts(8), v3.n_experts)}
+    # `reduced`: 8 x 2048 tokens, fused gate_up
+    m, g = 8 * 2048 * red.top_k, red.n_experts
+    reduced = [Shape(f"reduced_gate_up_G{g}_M{m}", m, red.d_model, 2 * red.moe_ffn_dim, g),
+               Shape(f"reduced_down_G{g}_M{m}", m, red.moe_ffn_dim, red.d_model, g)]
     out = ((dsv3[32] if which in ("all", "dsv3") else []) + (reduced if which in ("all", "reduced") else [])
            + (dsv3[256] if which in ("all", "dsv3") else []))  # the G=256 cases last: largest, slowest
     if quick:

@@ -45,6 +45,7 @@ from flax import nnx
 
 from turbo_moe.provenance import TABLE_COLUMNS, package_version
 from turbo_moe.provenance import collect as collect_provenance
+from turbo_moe.shapes import DEEPSEEK_V3, REDUCED
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import Recorder, error_text  # noqa: E402 (one writer of rows for both benchmarks)
@@ -69,8 +70,10 @@ class Shape:
 
 
 SHAPES = {
-    "reduced": Shape("reduced", 64, 6, 1280, 512, 8, 2048, "float32"),
-    "deepseek_v3": Shape("deepseek_v3", 256, 8, 7168, 2048, 2, 2048, "bfloat16"),
+    "reduced": Shape("reduced", REDUCED.n_experts, REDUCED.top_k, REDUCED.d_model, REDUCED.moe_ffn_dim, 8, 2048,
+                     "float32"),
+    "deepseek_v3": Shape("deepseek_v3", DEEPSEEK_V3.n_experts, DEEPSEEK_V3.top_k, DEEPSEEK_V3.d_model,
+                         DEEPSEEK_V3.moe_ffn_dim, 2, 2048, "bfloat16"),
     "smoke": Shape("smoke", 8, 2, 32, 24, 2, 16, "float32"),
 }
 

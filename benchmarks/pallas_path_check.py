@@ -24,17 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from _provenance import provenance
+from turbo_moe.shapes import REDUCED
 
 GEMM_CASES = [  # (name, M, K, N, G, routing)
     ("odd sizes + empty groups", 1000, 256, 128, 8, "random"),
     ("padding K=200, N=72", 777, 200, 72, 5, "random"),
     ("skewed: one group takes 90%", 4096, 512, 256, 16, "skewed"),
     ("rows past the groups", 640, 128, 128, 4, "short"),
-    ("reduced gate+up", 8192, 1280, 1024, 64, "random"),
-    ("reduced down", 8192, 512, 1280, 64, "skewed"),
+    ("reduced gate+up", 8192, REDUCED.d_model, 2 * REDUCED.moe_ffn_dim, REDUCED.n_experts, "random"),
+    ("reduced down", 8192, REDUCED.moe_ffn_dim, REDUCED.d_model, REDUCED.n_experts, "skewed"),
 ]
 TOLERANCE = 2e-2  # relative Frobenius error of bf16 inputs/outputs with float32 accumulation
-LAYER = dict(d=1280, f=512, e=64, k=6)  # the `reduced` preset's routed experts
+LAYER = dict(d=REDUCED.d_model, f=REDUCED.moe_ffn_dim, e=REDUCED.n_experts, k=REDUCED.top_k)
 
 
 def group_sizes(rng, m: int, g: int, kind: str) -> np.ndarray:

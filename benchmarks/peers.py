@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe import ops
+from turbo_moe.shapes import DEEPSEEK_V3, GPT_OSS_120B, MIXTRAL_8X7B, QWEN3_30B_A3B, REDUCED
 from turbo_moe.provenance import TABLE_COLUMNS, package_version
 from turbo_moe.provenance import collect as collect_provenance
 
@@ -69,17 +70,25 @@ class Shape:
 
 def full_shapes() -> list[Shape]:
     """Expert GEMMs of public MoE models (gate and up are separate GEMMs of width N unless fused)."""
+    v3, qwen, gpt, mixtral, red = DEEPSEEK_V3, QWEN3_30B_A3B, GPT_OSS_120B, MIXTRAL_8X7B, REDUCED
     return [
-        Shape("dsv3_gate_G256", "DeepSeek-V3 (256 experts, top-8, 4096 tokens)", 256, 32768, 7168, 2048),
-        Shape("dsv3_down_G256", "DeepSeek-V3 down proj", 256, 32768, 2048, 7168),
-        Shape("dsv3_gate_ep8_G32", "DeepSeek-V3, EP=8: 32 local experts", 32, 32768, 7168, 2048),
-        Shape("qwen3_30b_gate_G128", "Qwen3-30B-A3B (128 experts, top-8)", 128, 32768, 2048, 768),
-        Shape("qwen3_30b_down_G128", "Qwen3-30B-A3B down proj", 128, 32768, 768, 2048),
-        Shape("gpt_oss_120b_gate_up_G128", "gpt-oss-120b (128 experts, top-4; fused gate_up 2x2880)", 128, 16384,
-              2880, 5760),
-        Shape("mixtral_8x7b_gate_G8", "Mixtral 8x7B (8 experts, top-2)", 8, 8192, 4096, 14336),
-        Shape("reduced_gate_up_G64", "turbo_moe `reduced` preset (fused gate_up 2x512, top-6)", 64, 49152, 1280, 1024),
-        Shape("reduced_down_G64", "turbo_moe `reduced` down proj", 64, 49152, 512, 1280),
+        Shape("dsv3_gate_G256", f"DeepSeek-V3 ({v3.n_experts} experts, top-{v3.top_k}, 4096 tokens)", v3.n_experts,
+              4096 * v3.top_k, v3.d_model, v3.moe_ffn_dim),
+        Shape("dsv3_down_G256", "DeepSeek-V3 down proj", v3.n_experts, 4096 * v3.top_k, v3.moe_ffn_dim, v3.d_model),
+        Shape("dsv3_gate_ep8_G32", f"DeepSeek-V3, EP=8: {v3.local_experts(8)} local experts", v3.local_experts(8),
+              4096 * v3.top_k, v3.d_model, v3.moe_ffn_dim),
+        Shape("qwen3_30b_gate_G128", f"Qwen3-30B-A3B ({qwen.n_experts} experts, top-{qwen.top_k})", qwen.n_experts,
+              4096 * qwen.top_k, qwen.d_model, qwen.moe_ffn_dim),
+        Shape("qwen3_30b_down_G128", "Qwen3-30B-A3B down proj", qwen.n_experts, 4096 * qwen.top_k, qwen.moe_ffn_dim,
+              qwen.d_model),
+        Shape("gpt_oss_120b_gate_up_G128", f"gpt-oss-120b ({gpt.n_experts} experts, top-{gpt.top_k}; fused gate_up "
+              f"2x{gpt.moe_ffn_dim})", gpt.n_experts, 4096 * gpt.top_k, gpt.d_model, 2 * gpt.moe_ffn_dim),
+        Shape("mixtral_8x7b_gate_G8", f"Mixtral 8x7B ({mixtral.n_experts} experts, top-{mixtral.top_k})",
+              mixtral.n_experts, 4096 * mixtral.top_k, mixtral.d_model, mixtral.moe_ffn_dim),
+        Shape("reduced_gate_up_G64", f"turbo_moe `reduced` preset (fused gate_up 2x{red.moe_ffn_dim}, top-{red.top_k})",
+              red.n_experts, 4 * 2048 * red.top_k, red.d_model, 2 * red.moe_ffn_dim),
+        Shape("reduced_down_G64", "turbo_moe `reduced` down proj", red.n_experts, 4 * 2048 * red.top_k,
+              red.moe_ffn_dim, red.d_model),
         Shape("odd_G16", "odd sizes: K, N not multiples of 64", 16, 10000, 1000, 1500),
     ]
 

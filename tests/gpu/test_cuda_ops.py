@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from tests import reference as ref
 
 from tests.gpu import GPU, requires_gpu
+from turbo_moe.shapes import REDUCED
 
 pytestmark = requires_gpu
 
@@ -200,7 +201,8 @@ def test_permute_unpermute_and_grads(T, H, k, E, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,H,k,E", [(1000, 72, 4, 8), (333, 2048, 2, 3), (16384, 1280, 6, 64), (50, 7, 3, 64)])
+@pytest.mark.parametrize("T,H,k,E", [(1000, 72, 4, 8), (333, 2048, 2, 3),
+                                     (16384, REDUCED.d_model, REDUCED.top_k, REDUCED.n_experts), (50, 7, 3, 64)])
 def test_permute_rows_equals_permute_and_cpu(T, H, k, E, dtype):
     rng = np.random.default_rng()
     ids = random_ids(rng, T, k, E)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.gpu import GPU, requires_gpu
+from turbo_moe.shapes import DEEPSEEK_V3
 
 pytestmark = requires_gpu
 
@@ -25,7 +26,7 @@ if GPU is not None:
 CPU = jax.devices("cpu")[0]
 
 CASES = {  # name: (T, H, k, E)
-    "dsv3_width": (300, 7168, 8, 32),    # 56 tiles a row
+    "dsv3_width": (300, DEEPSEEK_V3.d_model, DEEPSEEK_V3.top_k, DEEPSEEK_V3.local_experts(8)),  # 56 tiles a row
     "odd_tiles": (257, 640, 3, 7),       # 5 tiles: not a multiple of the tiles a warp loads at once
     "one_tile": (1000, 128, 2, 5),
 }

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.gpu import GPU, requires_gpu
+from turbo_moe.shapes import DEEPSEEK_V3, REDUCED
 
 pytestmark = requires_gpu
 
@@ -21,9 +22,9 @@ if GPU is not None:
 CPU = jax.devices("cpu")[0]
 
 CASES = {  # name: (M, C, group sizes)
-    "dsv3_width_skewed": (700, 7168, [0] * 10 + [600] + [3] * 20 + [0]),  # 32 groups, one holding most rows
+    "dsv3_width_skewed": (700, DEEPSEEK_V3.d_model, [0] * 10 + [600] + [3] * 20 + [0]),  # 32 groups, one holding most
     "odd_empty_groups": (517, 200, [130, 0, 1, 255, 0, 128, 3]),       # one partial column step, M not of 8
-    "sum_below_m": (1000, 1280, [300, 0, 129, 64]),                     # rows 493.. belong to no group
+    "sum_below_m": (1000, REDUCED.d_model, [300, 0, 129, 64]),          # rows 493.. belong to no group
     "many_column_blocks": (300, 64 * 40 + 5, [150, 150]),              # odd width: element loads, 11 steps
     "one_column": (129, 1, [1, 128]),
     # More work units (tile, column step) than the persistent grid has blocks: each block's contiguous range crosses

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from tests.gpu import GPU, requires_gpu
+from turbo_moe.shapes import DEEPSEEK_V3, REDUCED
 
 pytestmark = requires_gpu
 
@@ -20,8 +21,9 @@ if GPU is not None:
 
 # (N rows, D, V): `reduced`'s 8 x 2048 tokens at its vocab and Shakespeare's, DeepSeek-V3's vocab at d 1280 and its
 # width at a small vocab, and widths that take the scalar loads (D * 2 bytes not a multiple of 16)
-SHAPES = {"reduced": (16384, 1280, 32768), "shakespeare": (16384, 1280, 8192), "v3_vocab": (16384, 1280, 129280),
-          "v3_width": (4096, 7168, 8192), "odd_width": (3000, 13, 500), "one_column": (2000, 1, 64)}
+SHAPES = {"reduced": (16384, REDUCED.d_model, 32768), "shakespeare": (16384, REDUCED.d_model, 8192),
+          "v3_vocab": (16384, REDUCED.d_model, 129280), "v3_width": (4096, DEEPSEEK_V3.d_model, 8192),
+          "odd_width": (3000, 13, 500), "one_column": (2000, 1, 64)}
 
 
 def ids_for(rng, n, vocab, dist):
