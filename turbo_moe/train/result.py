@@ -21,7 +21,8 @@ class RunResult:
     total tokens / total time), tgs_steps, step_time_s, mfu with peak_flops and peak_flops_source,
     flops_per_token, peak_memory_bytes with memory_source, compiled_temp_bytes / compiled_total_bytes /
     compiled_memory (XLA's analysis of the step, per device), device_memory_limit_bytes (+ source),
-    final_loss, final_eval_loss, dropped_fraction_mean, load_max_over_mean_mean, params_total,
+    final_loss (cross-entropy + MTP and balance terms), final_ce_loss (the train cross-entropy, comparable with
+    final_eval_loss), final_eval_loss, dropped_fraction_mean, load_max_over_mean_mean, params_total,
     params_active, steps_done, resumed_from_step, compile_time_s, n_devices, process_count (processes of a
     jax.distributed run; every one returns the same figures but its own step times), per_device_batch,
     seq_len, moe_path, and oom_requested_bytes for status "oom".
@@ -78,5 +79,6 @@ class RunResult:
             value = s.get(key)
             return format(value, spec) if isinstance(value, (int, float)) and not math.isnan(value) else "n/a"
         return (f"RunResult(status={self.status!r}, steps={s.get('steps_done')}, "
-                f"final_loss={fmt('final_loss', '.4f')}, eval_loss={fmt('final_eval_loss', '.4f')}, "
+                f"train_ce={fmt('final_ce_loss', '.4f')}, eval_ce={fmt('final_eval_loss', '.4f')}, "
+                f"total_loss={fmt('final_loss', '.4f')}, "
                 f"tgs={fmt('tgs', '.1f')}, mfu={fmt('mfu', '.3%')}, error={self.error!r})")
