@@ -31,6 +31,7 @@ from held_faults import (held_checkpoint_fallback, held_damaged_rows, held_full_
                          held_lock, held_long_names, held_resume_mismatch, held_sigkill_and_resume, held_typo,
                          held_umask, held_yaml)
 from run_faults import RUN_FAULTS
+from store_faults import CASES as STORE_FAULTS
 
 
 def long_error(root: Path, o: Outcome) -> str:
@@ -291,7 +292,7 @@ NEW = [
     ("37.9 values that pass the checks and fail later", dry_run_values),
     ("37.9 duplicate YAML keys", duplicate_yaml_key), ("37.10 the smaller ones", small_ones),
 ]
-CASES = HELD + NEW + RUN_FAULTS
+CASES = HELD + NEW + RUN_FAULTS + STORE_FAULTS
 
 
 def _alarm(signum, frame):

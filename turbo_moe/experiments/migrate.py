@@ -385,6 +385,10 @@ def ingest(results_dir: str | Path, store_dir: str | Path = store.DEFAULT_STORE,
             continue
         job = CampaignImport(results_dir, campaign, commit)
         job.import_files(files)
+        for rec in job.records.values():  # flagged where they enter the store (Record.row keeps the flags)
+            for metric, text in store.invalid_metrics(rec.summary, rec.status).items():
+                print(f"warning: {campaign}: record {rec.record}: {metric} = {text} is not a valid measurement; "
+                      "flagged in the store, shown as invalid in the report", file=sys.stderr)
         written[campaign] = store.write_campaign(store_dir, campaign, job.records.values(), sources=job.sources,
                                                  replace=replace)
         if job.note:

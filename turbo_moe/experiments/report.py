@@ -357,7 +357,7 @@ def run_report_notebook(
     if not notebook.is_file():
         raise ValueError(f"report notebook {str(notebook)!r} does not exist (resolved: {notebook.resolve()}); "
                          "pass --notebook PATH, or --no-notebook to draw in this process")
-    check_kernel(kernel, cwd=notebook.parent)
+    check_kernel(kernel)
     places = ReportPlaces(Path(results_dir).parent)
     store_dir = Path(store_dir) if store_dir is not None else places.ingest_store
     ingest_live_tables(results_dir, store_dir)
