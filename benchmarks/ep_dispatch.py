@@ -5,13 +5,13 @@ For DeepSeek-V3 shapes (4096 tokens/rank, hidden 7168, top-8 of 256 experts) and
 device (EP = device count):
   deepep_<layout>  turbo_moe.ops moe_dispatch + moe_combine (one row per token and destination rank) in
                each layout: dense (all_gather + reduce-scatter, no packing), packed (the pack kernel and
-               all_to_alls of worst-case (P, T, H) buffers: the layout before issue 14), ragged (pack, then
+               all_to_alls of worst-case (P, T, H) buffers: the first layout), ragged (pack, then
                only the real rows through ragged_all_to_all); deepep_dense_all_to_all / _permute: the dense
                layout with x moved by all_to_all or collective permutes (`dense_via`) instead of all_gather
   ragged_a2a   the ragged exchange of the `ragged` path there and back (jax.lax.ragged_all_to_all of the
                T*k copies sorted by expert; buffer P*T*k rows), each destination split in the default
                number of updates (64 in ragged_a2a_64chunks); ragged_a2a_1chunk: one update per destination
-               (before issue 14)
+               (the first version)
   ag_rs_worst  all_gather there and reduce-scatter back of (T, H) per rank: the dense layout's collectives
   permute_worst  P-1 collective permutes of (T, H) there and back: dense_via="permute"'s collectives
   a2a_real     a plain all_to_all there and back of a buffer holding exactly deepep's real rows

@@ -73,7 +73,7 @@ def routing_sizes(routing: str, M: int, G: int, seed: int = 0) -> np.ndarray:
     """Group sizes summing to M."""
     if routing == "balanced":
         sizes = np.full(G, M // G, np.int64)
-    elif routing == "skewed":  # Dirichlet(alpha=2), as in shared/ANCHORS.md
+    elif routing == "skewed":  # Dirichlet(alpha=2): a few experts take most rows
         p = np.random.default_rng(seed).dirichlet(np.ones(G) * 2.0)
         sizes = np.floor(p * M).astype(np.int64)
     elif routing == "one_group":
@@ -88,13 +88,18 @@ def routing_sizes(routing: str, M: int, G: int, seed: int = 0) -> np.ndarray:
 
 
 # ---- timing with CUDA events on XLA's stream ------------------------------------------------------
+BENCH_LIBRARY = "libturbo_moe_cuda_bench.so"  # kernels/cuda/bench_timer.cu, built beside the CUDA kernels
+
+
 class EventTimer:
     """Brackets a jitted region with turbo_moe_bench_event markers (kernels/cuda/bench_timer.cu)."""
 
     def __init__(self):
-        path = _ffi.find_library(_ffi.CUDA_LIBRARY)
+        path = _ffi.find_library(BENCH_LIBRARY)
         if path is None:
-            raise RuntimeError("libturbo_moe_cuda.so not found: build turbo_moe with nvcc present")
+            searched = ", ".join(str(d) for d in _ffi.library_dirs())
+            raise RuntimeError(f"{BENCH_LIBRARY} not found (searched: {searched}): build the CUDA kernels with nvcc "
+                               f"present (`make cuda` puts it in build/cuda/lib beside libturbo_moe_cuda.so)")
         self.lib = ctypes.CDLL(str(path))
         self.lib.turbo_moe_bench_elapsed_ms.restype = ctypes.c_float
         for name in ("turbo_moe_bench_event", "turbo_moe_bench_copy"):

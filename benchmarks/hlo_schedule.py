@@ -6,11 +6,11 @@ A GPU collective overlaps compute only where the scheduler put kernels between i
 collective runs on its own stream meanwhile); one with nothing between them was turned synchronous (`"is_sync":true`)
 and runs alone. For each async collective of each computation (the layer scans' while bodies among them) this prints
 the kernels scheduled inside its window: custom calls by target (turbo_moe's FFI kernels, cuBLAS), fusions, command
-buffers, each labelled with the micro-batch phase of `ModelConfig.ep_micro_batches` it belongs to
+buffers, each labelled with the micro-batch phase it belongs to where the program named one
 (`ep_micro_batch<i>/ep_dispatch|ep_experts|ep_combine`, `bwd` for the backward pass). The summary counts the MoE
 exchange's collectives (scope `routed_experts`) and the others (FSDP gathers, gradient reductions) with and without
-compute inside. Only the schedule is read, never timed: docs/expert-parallel.md says how to read it next to the step
-times of benchmarks/ep_overlap.sh.
+compute inside. Only the schedule is read, never timed: docs/notes/expert-parallel-lab.md reads it next to the step
+times of the same programs.
 """
 from __future__ import annotations
 

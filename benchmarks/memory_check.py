@@ -1,5 +1,5 @@
 """Measured vs predicted memory per device: XLA's buffer assignment of the train step against
-`turbo_moe.experiments.accounting` (issue 12 part 2: within 10%).
+`turbo_moe.experiments.accounting` (the target: within 10%).
 
     python benchmarks/memory_check.py --out DIR                       # the default cases
     python benchmarks/memory_check.py --out DIR --cases 'reduced:turbo:8:2048:{"remat_policy":"full"}'

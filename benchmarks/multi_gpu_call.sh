@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a machine of N >= 2 GPUs of one host (issue 14), each piece packed under $OUT as it ends.
+# One device call on a machine of N >= 2 GPUs of one host, each piece packed under $OUT as it ends.
 # PHASES (default "ep2 epN") names what runs, in that order:
 #   ep2      EP=2 on GPUs 0,1: benchmarks/ep_dispatch.py (exchange rows of EP_SHAPES, layer rows of
 #            EP_LAYER_SHAPES), while GPUs 2 and 3 (if there) each run the one-GPU A/B below.

@@ -1,5 +1,5 @@
 """accounting.memory_prediction: the terms behave as the remat policies and batch say (the GPU check of
-the absolute numbers is benchmarks/memory_check.py, recorded in experiments/NOTES.md)."""
+the absolute numbers is benchmarks/memory_check.py, campaign memory_check_nvidia_h100_80gb_hbm3 of the store)."""
 from __future__ import annotations
 
 import pytest

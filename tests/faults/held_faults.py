@@ -166,7 +166,3 @@ def held_checkpoint_fallback(root: Path, o: Outcome) -> str:
         ckpt.finish()
     assert record["step"] == 1 and (root / "ckpt" / "2.damaged-0").is_dir()
     return "damaged step 2 moved aside, restored step 1"
-
-
-# -------------------------------------------------------------------------------------- issue 37's items
-

@@ -1,4 +1,4 @@
-"""ModelConfig.loss_chunk_tokens (issue 14 cut): the main and MTP cross-entropies through the head over chunks
+"""ModelConfig.loss_chunk_tokens: the main and MTP cross-entropies through the head over chunks
 of positions (`turbo_moe.model.chunked_loss`) equal the unchunked loss and gradients within float32
 rounding (float32 compute), and within bf16 rounding with bf16 compute, where the head's backward matmuls
 take dL/dlogits in bf16 (the unchunked path multiplies float32 dL/dlogits by upcast operands)."""

@@ -119,7 +119,7 @@ def test_proportional_bias_update_moves_by_the_relative_load_gap():
 
 
 def test_proportional_update_undoes_a_large_level_gap_in_a_few_steps():
-    """One expert sits far above the rest for every token (the warm-up collapse, experiments/NOTES.md):
+    """One expert sits far above the rest for every token (the warm-up collapse, docs/notes/routing.md):
     the sign rule covers the gap at `rate` per step, the proportional rule at rate * (load/mean - 1)."""
     cfg = get_config("tiny", n_experts=16, n_groups=1, topk_groups=1, top_k=2)
     noise = jax.random.normal(jax.random.key(0), (512, 16)) * 0.05
