@@ -82,3 +82,34 @@ def test_kernel_figure_is_one_routing_per_figure_one_op_per_row():
     assert names[0] == "kernel_tflops_h100"
     fig = builders[names[0]]()
     assert fig.get_figwidth() <= 10 and len([ax for ax in fig.axes if ax.get_title()]) >= 1
+
+
+def test_batch_legend_covers_no_point_and_ooms_at_one_batch_do_not_overlap():
+    """The committed figure's legend hid turbo's largest-batch point, and two paths out of memory at one
+    batch had their names written on top of each other."""
+    rows = pd.DataFrame({"sweep": "s", "point": list("abcdefgh"), "status": ["ok"] * 6 + ["oom", "oom"],
+                         "moe_path": ["turbo", "turbo", "turbo", "dense_cf", "dense_cf", "ragged", "ragged", "pallas"],
+                         "capacity_factor": [None, None, None, 1.0, 1.0, None, None, None],
+                         "per_device_batch": [2, 8, 32, 2, 8, 2, 32, 32],
+                         "tgs": [7.7e4, 1.24e5, 1.45e5, 4.3e4, 5.8e4, 7e3, np.nan, np.nan]})
+    fig = figures.tgs_vs_batch(rows)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    points = [ax.transData.transform(xy) for line in ax.get_lines() for xy in line.get_xydata()]
+    assert points and not any(legend.contains(x, y) for x, y in points)
+    red = [t.get_window_extent() for t in ax.texts if t.get_color() == "red"]
+    assert red and not any(a.overlaps(b) for i, a in enumerate(red) for b in red[i + 1:])
+
+
+def test_heatmap_rows_are_the_moe_layers_then_the_mtp_block():
+    from turbo_moe.model.config import get_config
+
+    cfg = get_config("small")  # 4 MoE layers and one MoE MTP block: 5 rows of expert load
+    load = np.ones((cfg.n_router_layers, 16))
+    load[0, 3] = 0.0
+    names = figures.moe_row_labels(cfg)
+    fig = figures.expert_load_heatmaps({"turbo": load}, pd.DataFrame(), {"turbo": names})
+    ax = [a for a in fig.axes if a.get_xlabel() == "expert"][0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["layer 1", "layer 2", "layer 3", "layer 4", "MTP 0"]
+    assert ax.get_title().endswith(", 1 idle expert")

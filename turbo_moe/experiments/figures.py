@@ -131,16 +131,18 @@ def tgs_vs_batch(results: pd.DataFrame) -> plt.Figure | None:
             sns.lineplot(data=ok, x="per_device_batch", y="tgs", hue="path", marker="o", errorbar=None, ax=ax)
         _mark_not_run(ax, rows)
         oom = rows[rows["status"] == "oom"]
-        for i, (_, row) in enumerate(oom.iterrows()):
-            # Red x on the batch axis; the path is written above it (several paths may OOM at one batch).
-            ax.scatter(row["per_device_batch"], 0.02, marker="x", color="red", s=60, zorder=5,
+        for i, (batch, paths) in enumerate(oom.groupby("per_device_batch")["path"]):
+            # Red x on the batch axis; the paths that ran out of memory there are written above it, one
+            # column each (rotated text: one line per path, side by side, never on top of each other).
+            ax.scatter(batch, 0.02, marker="x", color="red", s=60, zorder=5,
                        transform=ax.get_xaxis_transform(), label="OOM" if i == 0 else None)
-            ax.annotate(row["path"], (row["per_device_batch"], 0.05), xycoords=ax.get_xaxis_transform(),
+            ax.annotate("\n".join(paths), (batch, 0.05), xycoords=ax.get_xaxis_transform(),
                         rotation=90, fontsize=6, color="red", ha="center", va="bottom")
         ax.set_xscale("log", base=2)
         ax.set(xlabel="per-device batch (sequences)", ylabel=TGS_LABEL, title=f"TGS vs batch — {device}")
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
+        # Outside the axes: inside, it covered the largest batch's points (the ones that matter most).
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return add_provenance(fig, frame)
 
 
@@ -311,11 +313,21 @@ def load_over_steps(histories: pd.DataFrame, results: pd.DataFrame,
     return add_provenance(fig, results[results["point"].isin(rows["point"])])
 
 
-def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame) -> plt.Figure | None:
+def moe_row_labels(cfg) -> list[str]:
+    """Row names of a model's expert load (``ModelConfig.n_router_layers`` rows): its MoE layers by layer
+    index, then its MoE multi-token-prediction blocks (``MTP 0``, ...), which route tokens too."""
+    main = [f"layer {i}" for i in range(cfg.n_dense_layers, cfg.n_layers)]
+    return main + [f"MTP {d}" for d in range(cfg.mtp_depth) if cfg.is_moe_layer(cfg.n_layers + d)]
+
+
+def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame,
+                         row_labels: dict[str, list[str]] | None = None) -> plt.Figure | None:
     """Final expert load (layer x expert) per run, as a multiple of the layer's mean load (1 = balanced).
 
     One row per run (legible at a notebook's width); a logarithmic colour scale centred on 1, so that 2x
-    and 0.5x are equally strong and a modest imbalance is not washed out by one hot expert.
+    and 0.5x are equally strong and a modest imbalance is not washed out by one hot expert. The rows are
+    the MoE layers, then the MoE MTP blocks: ``row_labels[label]`` names them (``moe_row_labels``); without
+    it they are numbered.
     """
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import FuncFormatter
@@ -340,16 +352,21 @@ def expert_load_heatmaps(loads: dict[str, np.ndarray], results: pd.DataFrame) ->
     as_text = FuncFormatter(lambda t, _: f"1/{1 / t:g}" if t < 1 else f"{t:g}")  # 1/4, not 0.25
     for ax, (label, rel) in zip(axes[:, 0], relative.items()):
         shown = np.clip(rel, 1 / vmax, vmax)  # idle experts (0) show as the lowest colour
+        names = (row_labels or {}).get(label)
+        names = names if names is not None and len(names) == rel.shape[0] else None
         sns.heatmap(shown, ax=ax, cmap="RdBu_r", norm=LogNorm(1 / vmax, vmax),
                     cbar_kws={"ticks": ticks, "format": as_text},
-                    xticklabels=max(1, rel.shape[1] // 16), yticklabels=True)
+                    xticklabels=max(1, rel.shape[1] // 16), yticklabels=names if names is not None else True)
         bar = ax.collections[0].colorbar
         bar.ax.minorticks_off()  # a log colour bar labels its minor ticks too: they collided with these
         bar.ax.tick_params(labelsize=7)
         bar.set_label("load / mean", fontsize=7)
-        idle = int((rel == 0).sum())
-        ax.set(xlabel="expert", ylabel="MoE layer",
-               title=f"{label}: max/mean {rel.max(axis=1).mean():.2f}" + (f", {idle} idle experts" if idle else ""))
+        idle = int((rel == 0).sum())  # (row, expert) cells with no token
+        ax.set(xlabel="expert", ylabel="MoE block" if names is not None else "MoE block (layers, then MTP)",
+               title=f"{label}: max/mean {rel.max(axis=1).mean():.2f}"
+                     + (f", {idle} idle expert{'' if idle == 1 else 's'}" if idle else ""))
+        if names is not None:
+            ax.tick_params(axis="y", rotation=0)
         ax.tick_params(axis="both", labelsize=7)
     return add_provenance(fig, results)
 

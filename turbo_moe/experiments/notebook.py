@@ -142,12 +142,15 @@ def plot_run(result, title: str = "") -> plt.Figure | None:
     return figures.add_provenance(fig, prov)
 
 
-def plot_expert_load(result, title: str = "") -> plt.Figure | None:
-    """Final expert load (layer × expert) relative to the mean."""
+def plot_expert_load(result, title: str = "", model_config=None) -> plt.Figure | None:
+    """Final expert load (layer × expert) relative to the mean; ``model_config`` names the rows (its MoE
+    layers, then its MoE MTP blocks)."""
     if not result.expert_load:
         return None
     prov = pd.DataFrame([result.provenance]) if result.provenance else pd.DataFrame()
-    return figures.expert_load_heatmaps({title or "expert load": result.expert_load}, prov)
+    label = title or "expert load"
+    names = {label: figures.moe_row_labels(model_config)} if model_config is not None else None
+    return figures.expert_load_heatmaps({label: result.expert_load}, prov, names)
 
 
 def record_in_table(result, *, results_dir: str | Path, sweep: str, params: Mapping[str, Any],

@@ -152,7 +152,9 @@ def figure_builders(data: ReportData) -> dict[str, object]:
     }
     for sweep, loads in data.loads.items():
         rows = data.results[data.results["sweep"] == sweep]
-        builders[f"expert_load_{sweep}"] = lambda loads=loads, rows=rows: figures.expert_load_heatmaps(loads, rows)
+        names = data.load_rows.get(sweep)
+        builders[f"expert_load_{sweep}"] = lambda loads=loads, rows=rows, names=names: \
+            figures.expert_load_heatmaps(loads, rows, names)
     if data.loads == {}:
         builders["expert_load"] = lambda: None
     tables = data.kernels.groupby("table") if not data.kernels.empty else []

@@ -41,6 +41,7 @@ class ReportData:
     drop_penalty: list = dataclasses.field(default_factory=list)  # convergence.records_from_store
     problems: list[str] = dataclasses.field(default_factory=list)  # campaigns not read, values flagged
     left_out: dict[str, str] = dataclasses.field(default_factory=dict)  # campaign -> why it was not read
+    load_rows: dict[str, dict[str, list[str]]] = dataclasses.field(default_factory=dict)  # as loads: row names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,7 @@ def load_report_data(store_dir: str | Path = store.DEFAULT_STORE, campaigns: lis
         frame["record_path"] = [k[1] if "_record_file" in extras.get(k, {}) else None for k in row_keys]
         frame["load_per_core"] = [loads_at_run.get(k) for k in row_keys]
         frame = _mask_invalid(figures.with_path_labels(frame), extras, problems)
-    histories, loads = _histories_and_loads(frame, chosen, extras)
+    histories, loads, load_rows = _histories_and_loads(frame, chosen, extras)
 
     kernel_tables = _keyed_tables(chosen, records, sources, lambda path, cols: Path(path).name.startswith("kernels_")
                                   and {"shape", "impl", "tflops"} <= set(cols)) if len(sources) else []
@@ -174,7 +175,7 @@ def load_report_data(store_dir: str | Path = store.DEFAULT_STORE, campaigns: lis
         drop_penalty += [{**r, "campaign": labels.get(r.get("campaign"), r.get("campaign"))}
                          for r in convergence.records_from_store(where, names)]
     return ReportData(results=frame, histories=histories, loads=loads, kernels=kernels, drop_penalty=drop_penalty,
-                      problems=problems, left_out=left_out)
+                      problems=problems, left_out=left_out, load_rows=load_rows)
 
 
 def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -184,7 +185,7 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
 def _histories_and_loads(frame: pd.DataFrame, chosen: list[Campaign], extras: dict):
     """The per-step histories (>= MIN_CURVE_STEPS) and final expert loads of the comparison sweeps' runs,
     each looked up by its row's (campaign, record)."""
-    histories, loads = [], {}
+    histories, loads, load_rows = [], {}, {}
     chosen_sweeps = comparison_sweeps(frame) if not frame.empty else []
     wanted = frame[frame["sweep"].isin(chosen_sweeps) & frame["record_path"].notna()] if chosen_sweeps \
         else frame.iloc[0:0]
@@ -204,7 +205,23 @@ def _histories_and_loads(frame: pd.DataFrame, chosen: list[Campaign], extras: di
         load = extras[(row["campaign"], row["record_path"])].get("document", {}).get("expert_load")
         if load:
             loads.setdefault(row["sweep"], {})[row["path"]] = np.asarray(load, dtype=float)
-    return (pd.concat(histories, ignore_index=True) if histories else pd.DataFrame()), loads
+            names = _load_row_names(row)
+            if names is not None:
+                load_rows.setdefault(row["sweep"], {})[row["path"]] = names
+    return (pd.concat(histories, ignore_index=True) if histories else pd.DataFrame()), loads, load_rows
+
+
+def _load_row_names(row: pd.Series) -> list[str] | None:
+    """The expert load's row names from the run's model (its preset and overrides); None if unknown."""
+    from turbo_moe.model.config import get_config
+
+    overrides = row.get("model_overrides")
+    try:
+        overrides = json.loads(overrides) if isinstance(overrides, str) else overrides
+        cfg = get_config(str(row.get("model")), **(overrides if isinstance(overrides, dict) else {}))
+    except (ValueError, TypeError):
+        return None
+    return figures.moe_row_labels(cfg)
 
 
 def _schema_columns(table: pd.DataFrame) -> pd.DataFrame:
