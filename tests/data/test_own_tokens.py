@@ -116,3 +116,23 @@ def test_hub_name_that_does_not_load_is_named(monkeypatch):
     with pytest.raises(ValueError, match=r"'org/some-model' is neither a tokenizer.json file nor a Hugging Face Hub "
                                          r"name that could be loaded \(cannot reach"):
         tok.load_tokenizer("org/some-model")
+
+
+def test_named_corpus_with_a_users_tokenizer_is_prepared_apart(fake_sources, tmp_path, monkeypatch):
+    """pd_english with the user's tokenizer: its own prepared tokens, loaded again without the text; the default BPE
+    never reads them."""
+    from fake_packages import PARAGRAPH
+
+    from turbo_moe.data import pd_english, train_tokenizer
+
+    train_tokenizer([PARAGRAPH * 20, "other words entirely\n"], 280).save(str(tmp_path / "mine.json"))
+    mine = load_dataset("pd_english", seq_len=32, vocab_size=300, data_dir=fake_sources, val_fraction=0.1,
+                        tokenizer=tmp_path / "mine.json")
+    assert mine.info["tokenizer"].startswith(str(tmp_path / "mine.json"))
+    default = load_dataset("pd_english", seq_len=32, vocab_size=300, data_dir=fake_sources, val_fraction=0.1)
+    assert default.info["tokenizer"].startswith("byte-level BPE")
+    monkeypatch.setattr(pd_english, "fetch_pd_english", lambda root=None: pytest.fail("fetched again"))
+    again = load_dataset("pd_english", seq_len=32, vocab_size=300, data_dir=fake_sources, val_fraction=0.1,
+                         tokenizer=tmp_path / "mine.json")
+    np.testing.assert_array_equal(again.train.windows, mine.train.windows)
+    assert again.info["prepared"].endswith(".json")

