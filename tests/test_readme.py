@@ -188,6 +188,10 @@ def test_cpu_commands_and_training_snippet_run_as_written(workdir, monkeypatch):
         done = run(argv, workdir)
         if argv[1] == "train":
             assert "status ok" in done.stdout + done.stderr, done.stdout[-2000:]
+            # "Each run writes runs/<config>-<n>/ (or --out): record, curves, TensorBoard log, checkpoint."
+            folder = workdir / "runs" / f"{Path(argv[2]).stem}-1"
+            assert {"record.json", "history.csv", "checkpoint"} <= {f.name for f in folder.iterdir()}, folder
+            assert any(f.name.startswith("events.out.tfevents") for f in folder.iterdir()), folder
         ran.append(argv[1])
     assert "train" in ran and "sweep" in ran
     (snippet,) = [s for s in python_snippets() if "from turbo_moe.train import" in s]
