@@ -125,7 +125,7 @@ def test_cli_reports_bad_spec_and_missing_kernel(tmp_path, toy_notebook, capsys)
     assert "grid axis 'x' must be a non-empty list" in capsys.readouterr().err
     spec_file.write_text(f"notebook: {toy_notebook}\nkernel: no-such-kernel-xyz\n")
     assert cli.main(["sweep", str(spec_file), "--experiments-dir", str(tmp_path / "e")]) == 2
-    assert "ipykernel install --user --name no-such-kernel-xyz" in capsys.readouterr().err
+    assert "ipykernel install --prefix .venv --name no-such-kernel-xyz" in capsys.readouterr().err
 
 
 def test_only_glob_and_record_false(toy_notebook, test_kernel, layout, monkeypatch):
