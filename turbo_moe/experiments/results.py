@@ -1,6 +1,7 @@
 """Results tables: one CSV row per sweep point, appended atomically.
 
-Layout (committed)::
+Layout (git-ignored: ``turbo-moe report`` ingests these into this machine's results store,
+``experiments/runs/store/``, and ``--publish`` into the committed one, ``experiments/store/``)::
 
     experiments/results/<sweep>.csv            one row per point run (the latest row of a point wins)
     experiments/results/<sweep>/<point>.json   the point's RunResult record (history, expert load, ...)

@@ -6,6 +6,9 @@ Layout (committed)::
     experiments/store/history/campaign=<name>/part-0.parquet   per-step values, long (HISTORY_SCHEMA)
     experiments/store/sources/campaign=<name>/part-0.parquet   every file a campaign was read from
     experiments/store/campaigns.parquet                        one row per campaign: title, status, note
+    experiments/store/SHA256SUMS                               every file's sha256, checked on every read
+
+The same layout serves this machine's git-ignored store, ``experiments/runs/store/`` (see ``report``).
 
 pandas reads any of them in one line, e.g. ``pd.read_parquet("experiments/store/records")`` (the
 ``campaign`` column comes from the folder names). A record's ``config``, ``provenance``, ``summary`` and
