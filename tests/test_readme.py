@@ -110,6 +110,8 @@ def test_every_readme_line_is_classified():
         known = (argv[:1] == ["make"] or argv[0].endswith("turbo-moe")
                  or (argv[0] == "python" and argv[1].startswith("benchmarks/") and gpu_only(command, comment)))
         assert known, f"README command not covered by tests/test_readme.py: {command!r}"
+        if argv[0].endswith("turbo-moe") and argv[1] == "sweep" and "--dry-run" not in argv:
+            assert gpu_only(command, comment), f"a sweep run is minutes to hours: say it needs a GPU: {command!r}"
     for snippet in python_snippets():
         assert any(marker in snippet for marker in ("from turbo_moe.ops import", "turbo_maxtext.enable()",
                                                     "from turbo_moe.train import")), snippet
