@@ -253,7 +253,8 @@ def load_text_dataset(path: str | Path, *, name: str, seq_len: int, vocab_size: 
         "tokenizer_fingerprint": fingerprint, "cache_dir": str(cache_dir),
     }
     if user is not None:
-        info.update(tokenizer=f"{user.spec}, vocab {tokenizer.get_vocab_size()}", tokenizer_fingerprint=user.fingerprint)
+        info.update(tokenizer=f"{user.spec}, vocab {tokenizer.get_vocab_size()}",
+                    tokenizer_fingerprint=user.fingerprint)
     if prepared is not None:
         tmp = prepared.with_suffix(".tmp")
         tmp.write_text(json.dumps({"token_file": token_file.name, "info": info}, indent=1) + "\n")
