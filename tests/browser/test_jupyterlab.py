@@ -63,6 +63,7 @@ capacity_factor = 1.25
 n_layers = 2
 n_dense_layers = 1
 n_experts = None
+width_divisor = None
 model_overrides = {}
 max_step_tflop = None
 paths = ["turbo"]

@@ -22,6 +22,7 @@ def test_check_parameters_returns_the_exact_config_and_mesh():
 @pytest.mark.parametrize("bad, match", [
     (dict(paths=["dense", "ragged"]), "parameter paths"),
     (dict(paths=[]), "parameter paths"),
+    (dict(paths="turbo"), "parameter paths"),
     (dict(max_step_tflop=0), "parameter max_step_tflop"),
     (dict(max_step_tflop="1"), "parameter max_step_tflop"),
     (dict(max_step_tflop=True), "parameter max_step_tflop"),
@@ -51,18 +52,48 @@ def test_plot_memory_per_path_draws_one_bar_pair_per_path():
 def test_plan_on_this_device_uses_the_platform_default(monkeypatch):
     seen = {}
     monkeypatch.setattr(full_deepseek, "plan_slice", lambda **kw: seen.update(kw) or "plan")
-    args = dict(n_layers=2, n_dense_layers=1, n_experts=None, model_overrides={}, per_device_batch=1,
-                seq_len=128, capacity_factor=1.25)
+    args = dict(n_layers=2, n_dense_layers=1, n_experts=None, width_divisor=None, model_overrides={}, paths=None,
+                per_device_batch=1, seq_len=128, capacity_factor=1.25)
     assert full_deepseek.plan_on_this_device(max_step_tflop=None, **args) == "plan"
     assert seen["max_step_tflop"] == full_deepseek.SHRUNK_MAX_STEP_TFLOP  # the tests run on a CPU
-    assert seen["memory_bytes"] > 0 and seen["memory_source"]
+    devices = seen["devices"]
+    assert devices.memory_bytes > 0 and devices.memory_source and devices.platform == "cpu"
+    assert devices.expert_parallel == 1 and not devices.fp8  # a CPU's host devices stay data-parallel
     full_deepseek.plan_on_this_device(max_step_tflop=0.5, **args)
     assert seen["max_step_tflop"] == 0.5
 
 
 def test_plan_and_device_text():
-    plan = full_deepseek.SlicePlan(overrides={}, seq_len=64, shrink=4, label="shrunk slice", memory_bytes=2**31,
-                                   memory_source="host", exact_need=None, notes=["widths / 4"])
+    plan = full_deepseek.SlicePlan(overrides={}, seq_len=64, shrink=4, expert_parallel=1, paths=("turbo", "ragged"),
+                                   label="shrunk slice", need_bytes=2**30, memory_bytes=2**31, memory_source="host",
+                                   ladder=None, notes=["widths / 4"])
     assert full_deepseek.device_text(plan).endswith("2.0 GiB (host)")
     assert full_deepseek.plan_text(plan, "x/full_deepseek.csv").splitlines() == [
-        "note: widths / 4", "runs: shrunk slice", "rows and records go to x/full_deepseek.csv"]
+        "note: widths / 4", "runs: shrunk slice; predicted peak 1.0 of 2.0 GiB a device", "paths: turbo, ragged",
+        "rows and records go to x/full_deepseek.csv"]
+
+
+def _row(path, losses, status="ok", mfu=math.nan):
+    history = [{"step": i, "loss": v} for i, v in enumerate(losses)]
+    return {"path": path, "status": status, "history": history, "first_loss": (losses or [None])[0], "final_loss": (losses or [None])[-1],
+            "tgs": 1234.0, "mfu": mfu}
+
+
+def test_loss_agreement_holds_each_path_to_its_tolerance():
+    tight, loose = full_deepseek.DROPLESS_TOLERANCE, full_deepseek.DENSE_CF_TOLERANCE
+    rows = [_row("turbo", [12.0, 11.0, 10.0]), _row("ragged", [12.0, 11.0 + tight / 2, 10.0]),
+            _row("turbo_fp8", [12.0, 11.0, 10.0 + 2 * tight]), _row("dense_cf", [12.0, 11.0 + loose / 2, 10.0]),
+            _row("pallas", [12.0, 12.5, 12.5]), _row("ragged_failed", [], status="oom")]
+    table = full_deepseek.loss_agreement(rows)
+    assert list(table.index) == ["turbo", "ragged", "turbo_fp8", "dense_cf", "pallas"]
+    assert table["within"].tolist() == [True, True, False, True, False]
+    assert table["loss fell"].tolist() == [True, True, True, True, False]  # pallas ends above its first step
+    assert table.loc["dense_cf", "tolerance"] == loose and table.loc["ragged", "tolerance"] == tight
+    assert table.loc["ragged", "max |loss - turbo|"] == pytest.approx(tight / 2)
+    assert full_deepseek.loss_agreement([]).empty
+
+
+def test_loss_lines_say_the_first_and_last_loss():
+    lines = full_deepseek.loss_lines([_row("turbo", [12.0, 9.5], mfu=0.5), _row("ragged", [], status="oom")])
+    assert lines == ["turbo: train loss 12.000 at the first step -> 9.500 at the last; 1,234 tokens/device/s, "
+                     "MFU 50.0%"]

@@ -4,34 +4,64 @@ import math
 
 import pytest
 
-from turbo_moe.experiments import display, full_deepseek
+from turbo_moe.experiments import display, full_deepseek, slice_plan
 from turbo_moe.experiments.display import GIB
 
-PLAN = dict(n_layers=4, n_dense_layers=1, n_experts=None, model_overrides={}, memory_source="test",
-            per_device_batch=1, seq_len=4096, capacity_factor=1.25)
+PLAN = dict(n_layers=4, n_dense_layers=1, n_experts=None, width_divisor=None, model_overrides={}, paths=None,
+            per_device_batch=2, seq_len=4096, capacity_factor=1.25)
+H200 = slice_plan.Devices(141e9, "test", "gpu", 1, fp8=True)  # "141 GB"
+H200_LIMIT = 138.1e9  # what JAX's allocator gives a process on one H200 at XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 
 
-def test_exact_widths_run_when_they_fit():
-    plan = full_deepseek.plan_slice(**PLAN, memory_bytes=200 * GIB)
-    assert plan.exact and plan.overrides["n_layers"] == 4 and "d_model" not in plan.overrides
-    assert 8 <= plan.overrides["n_experts"] <= 256 and plan.label.startswith("exact widths")
+def _gpus(memory_bytes, count=1, fp8=True):
+    return slice_plan.Devices(memory_bytes, "test", "gpu", count, fp8)
 
 
-def test_cpu_sized_memory_gets_a_labelled_shrunk_slice():
-    plan = full_deepseek.plan_slice(**PLAN, memory_bytes=21.9 * GIB, max_step_tflop=0.25)
-    assert not plan.exact and plan.shrink in full_deepseek.SHRINKS and plan.seq_len == 4096
-    assert plan.label.startswith("SHRUNK slice") and plan.overrides["d_model"] == 7168 // plan.shrink
-    # The exact widths' need is shown: more than the device has, for the fewest and the 256 experts.
-    need = plan.exact_need["GiB needed (largest path)"]
-    assert need.min() > 21.9 and "256 experts" in plan.exact_need.index
-    assert "do not fit this device" in plan.notes[0]
-    # Without a step budget the shrink is smaller (memory alone decides).
-    assert full_deepseek.plan_slice(**PLAN, memory_bytes=21.9 * GIB).shrink < plan.shrink
-    # A CPU's budget also shortens the sequence, and says so.
-    cpu = full_deepseek.plan_slice(**PLAN, memory_bytes=21.9 * GIB,
-                                   max_step_tflop=full_deepseek.default_max_step_tflop("cpu"))
-    assert cpu.shrink == 64 and 64 <= cpu.seq_len < 4096 and cpu.overrides["max_seq_len"] == cpu.seq_len
-    assert f"sequence {cpu.seq_len} of 4096" in cpu.label
+def test_one_h200_trains_the_exact_widths_with_all_256_experts():
+    for memory in (141e9, H200_LIMIT):
+        plan = full_deepseek.plan_slice(**PLAN, devices=_gpus(memory))
+        assert plan.exact and plan.expert_parallel == 1 and "d_model" not in plan.overrides
+        assert {k: plan.overrides[k] for k in ("n_layers", "n_dense_layers", "mtp_depth", "n_experts")} == {
+            "n_layers": 2, "n_dense_layers": 1, "mtp_depth": 0, "n_experts": 256}
+        assert plan.overrides["param_dtype"] == "bfloat16" and plan.need_bytes <= memory
+        assert plan.label == ("DeepSeek-V3's exact widths: 2 of 61 layers (1 dense + 1 MoE, no MTP block), 256 of 256 "
+                              "routed experts, bfloat16 weights")
+        assert plan.paths == ("dense_cf", "turbo", "turbo_fp8")  # Hopper runs turbo_fp8; ragged not at these widths
+    # The ladder: layers went first (float32 masters, then bfloat16), and every rung before the pick kept 256 experts.
+    assert list(plan.ladder["routed experts"]) == [256] * 12 and plan.ladder["fits"].tolist() == [False] * 11 + [True]
+    assert plan.ladder["layers"].tolist()[:6] == [4, 4, 3, 3, 2, 2]
+
+
+def test_smaller_devices_drop_experts_before_widths_and_more_gpus_split_them():
+    small = full_deepseek.plan_slice(**PLAN, devices=_gpus(70e9, fp8=False))
+    assert small.exact and 16 <= small.overrides["n_experts"] < 256 and small.overrides["n_layers"] == 2
+    assert small.ladder.iloc[-1]["fits"] and not small.ladder.iloc[:-1]["fits"].any()
+    assert "turbo_fp8" not in small.paths  # no FP8 kernels on this device
+    two = full_deepseek.plan_slice(**PLAN, devices=_gpus(H200_LIMIT, count=2))
+    assert two.exact and two.expert_parallel == 2 and two.overrides["n_experts"] == 256
+    assert two.overrides["param_dtype"] == "float32" and "over 2 GPUs (expert parallelism)" in two.label
+    eight = full_deepseek.plan_slice(**PLAN, devices=_gpus(H200_LIMIT, count=8))
+    assert eight.overrides["n_layers"] == 4 and eight.overrides["mtp_depth"] == 1  # the asked layers, MTP included
+    with pytest.raises(ValueError, match="parameter n_experts: 100 routed experts do not split over 8 GPUs"):
+        full_deepseek.plan_slice(**{**PLAN, "n_experts": 100}, devices=_gpus(H200_LIMIT, count=8))
+
+
+def test_halved_widths_only_when_asked_or_where_no_exact_slice_fits():
+    halved = full_deepseek.plan_slice(**{**PLAN, "width_divisor": 2}, devices=H200)
+    assert halved.shrink == 2 and halved.overrides["d_model"] == 3584 and "as asked" in halved.label
+    with pytest.raises(ValueError, match="parameter width_divisor: no slice of these widths fits"):
+        full_deepseek.plan_slice(**{**PLAN, "width_divisor": 1}, devices=_gpus(GIB))
+    with pytest.raises(ValueError, match="parameter width_divisor: must be None"):
+        full_deepseek.plan_slice(**{**PLAN, "width_divisor": 3}, devices=H200)
+    # A CPU: no exact-width rung fits its memory and step budget, so a labelled shrunk slice (and a shorter sequence)
+    cpu = slice_plan.Devices(21.9 * GIB, "test", "cpu", 8)
+    plan = full_deepseek.plan_slice(**PLAN, devices=cpu, max_step_tflop=full_deepseek.default_max_step_tflop("cpu"))
+    assert not plan.exact and plan.shrink == 64 and plan.expert_parallel == 1 and 64 <= plan.seq_len < 4096
+    assert plan.label.startswith("SHRUNK slice") and f"sequence {plan.seq_len} of 4096" in plan.label
+    assert "exact widths do not fit this device" in plan.notes[0] and not plan.ladder["fits"].any()
+    assert plan.paths == ("dense_cf", "ragged", "turbo")
+    # Without a step budget memory alone decides: a smaller shrink.
+    assert full_deepseek.plan_slice(**PLAN, devices=cpu).shrink < plan.shrink
     assert full_deepseek.default_max_step_tflop("gpu") is None
 
 
@@ -39,14 +69,19 @@ def test_user_overrides_are_kept_or_named_when_they_cannot_fit():
     tiny = {"d_model": 64, "n_heads": 2, "moe_ffn_dim": 32, "dense_ffn_dim": 64, "vocab_size": 256,
             "q_lora_rank": 16, "kv_lora_rank": 16}
     plan = full_deepseek.plan_slice(**{**PLAN, "model_overrides": tiny, "n_experts": 16, "seq_len": 32},
-                                    memory_bytes=8 * GIB)
+                                    devices=_gpus(8 * GIB))
     assert plan.overrides["d_model"] == 64 and plan.overrides["n_experts"] == 16 and plan.shrink == 1
-    with pytest.raises(ValueError, match="parameter model_overrides: with these overrides no expert count fits"):
-        full_deepseek.plan_slice(**{**PLAN, "model_overrides": {"n_heads": 128}}, memory_bytes=GIB)
+    assert "your model_overrides" in plan.label
+    with pytest.raises(ValueError, match="parameter model_overrides: no slice of these widths fits"):
+        full_deepseek.plan_slice(**{**PLAN, "model_overrides": {"n_heads": 128}}, devices=_gpus(GIB))
     with pytest.raises(ValueError, match="parameter n_layers: must be a positive int"):
-        full_deepseek.plan_slice(**{**PLAN, "n_layers": 0}, memory_bytes=GIB)
+        full_deepseek.plan_slice(**{**PLAN, "n_layers": 0}, devices=H200)
+    with pytest.raises(ValueError, match="parameter n_dense_layers: must be an int in"):
+        full_deepseek.plan_slice(**{**PLAN, "n_layers": 1}, devices=H200)
+    with pytest.raises(ValueError, match="parameter paths"):
+        full_deepseek.plan_slice(**{**PLAN, "paths": ["dense"]}, devices=H200)
     with pytest.raises(ValueError, match="parameter seq_len: even widths / 64 do not fit"):
-        full_deepseek.plan_slice(**PLAN, memory_bytes=0.01 * GIB)
+        full_deepseek.plan_slice(**PLAN, devices=_gpus(0.01 * GIB))
 
 
 def test_interactive_rows_stay_out_of_the_committed_results(tmp_path):
@@ -67,9 +102,8 @@ def test_cpu_memory_panel_draws_no_prediction_beside_the_rss():
     import matplotlib.pyplot as plt
 
     matplotlib.use("Agg")
-    plan = full_deepseek.plan_slice(n_layers=2, n_dense_layers=1, n_experts=None, model_overrides={},
-                                    memory_bytes=8 * 2**30, memory_source="test", per_device_batch=1, seq_len=64,
-                                    capacity_factor=1.25, max_step_tflop=0.01)
+    plan = full_deepseek.plan_slice(**{**PLAN, "n_layers": 2, "per_device_batch": 1, "seq_len": 64},
+                                    devices=slice_plan.Devices(8 * GIB, "test", "cpu"), max_step_tflop=0.01)
     for platform, bars in (("cpu", 2), ("gpu", 4)):  # bars on the memory axes: measured (+ predicted on a GPU)
         fig = full_deepseek.plot_paths(_slice_rows(), plan, platform)
         ax_mem = fig.axes[1]
