@@ -23,7 +23,7 @@ CUDA ?= auto
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 # The CPU kernels target the portable baseline, as a wheel does, and the grouped GEMM picks its
 # AVX2/AVX-512 variant at run time: as fast as -march=native and bit-identical to it on an AVX2 host
-# (docs/notes/archive, "CPU -march"). Passed explicitly so an older build cache's `native` is replaced;
+# (docs/performance.md, "CPU kernels"). Passed explicitly so an older build cache's `native` is replaced;
 # `make CPU_ARCH=native` still tunes everything for this machine.
 CPU_ARCH ?= $(if $(filter x86_64 amd64,$(shell uname -m)),x86-64-v2,)
 CUTLASS_VERSION := 4.2.0.0
@@ -81,7 +81,8 @@ $(CUTLASS_INCLUDE)/cutlass/cutlass.h:
 	$(PIP) install --no-deps --no-warn-conflicts --upgrade --target $(CUTLASS_DIR) "nvidia-cutlass==$(CUTLASS_VERSION)"
 
 # The libraries for a GPU machine, built here with CMake (no GPU needed, nvcc needed): build/cuda/lib holds
-# libturbo_moe_cpu.so and libturbo_moe_cuda.so; on the GPU machine TURBO_MOE_LIB_DIR=<that folder>.
+# libturbo_moe_cpu.so and libturbo_moe_cuda.so (and libturbo_moe_cuda_bench.so, the kernel benchmarks' event timer);
+# on the GPU machine TURBO_MOE_LIB_DIR=<that folder>.
 cuda: | $(STAMP)
 	@command -v nvcc >/dev/null || { echo "make cuda: nvcc is not on PATH"; exit 1; }
 	$(MAKE) --no-print-directory cutlass
@@ -89,7 +90,8 @@ cuda: | $(STAMP)
 	  -DTURBO_MOE_CPU_ARCH=$(CPU_ARCH) -DTURBO_MOE_CUTLASS_INCLUDE=$(CUTLASS_INCLUDE) \
 	  $(if $(shell command -v ninja),-G Ninja,)
 	cmake --build $(CUDA_BUILD) -j $(JOBS)
-	mkdir -p $(CUDA_BUILD)/lib && cp $(CUDA_BUILD)/libturbo_moe_cpu.so $(CUDA_BUILD)/kernels/cuda/libturbo_moe_cuda.so $(CUDA_BUILD)/lib/
+	mkdir -p $(CUDA_BUILD)/lib && cp $(CUDA_BUILD)/libturbo_moe_cpu.so $(CUDA_BUILD)/kernels/cuda/libturbo_moe_cuda.so \
+	  $(CUDA_BUILD)/kernels/cuda/libturbo_moe_cuda_bench.so $(CUDA_BUILD)/lib/
 	@echo "built: $(CUDA_BUILD)/lib (on the GPU machine: TURBO_MOE_LIB_DIR=$(CUDA_BUILD)/lib)"
 
 cuda-check: cuda

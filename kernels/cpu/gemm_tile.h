@@ -24,7 +24,7 @@ constexpr int kMR = 6;
 constexpr int kNV = 2;   // NR = 16
 #else
 // x86 without AVX: 16-byte registers. 32-byte vector types would be split by GCC through the stack
-// (far slower: docs/notes/archive, "CPU -march"), so the tile uses SSE-sized vectors.
+// (far slower: docs/performance.md, "CPU kernels"), so the tile uses SSE-sized vectors.
 // 6 x 2 accumulators + 2 loads fit the 16 xmm registers. Each output element still sums over k in
 // the same order (blocks of kKC), whatever the tile shape.
 constexpr int kVecWidth = 4;

@@ -1,13 +1,12 @@
-// Benchmark aids (not part of the ops API): a CUDA-event marker that runs on XLA's own stream,
-// a plain device-to-device copy (the permute benchmark's baseline),
-// so benchmarks/grouped_gemm.py can time a jitted region with device events, and a query of the
-// scratch memory a grouped GEMM call takes (it does not show in XLA's memory analysis).
+// Benchmark aids, built into their own library (libturbo_moe_cuda_bench.so), never into the ops' one: a CUDA-event
+// marker that runs on XLA's own stream, so that benchmarks/grouped_gemm.py can time a jitted region with device
+// events, and a plain device-to-device copy (the permute benchmark's baseline).
 //   turbo_moe_bench_event: anchor (any) -> token int32[1]; records event `slot` on the stream.
+//   turbo_moe_bench_copy: x -> a copy of x (one cudaMemcpyAsync).
 //   turbo_moe_bench_elapsed_ms(start, end): waits for event `end`, returns the time between them.
 #include <mutex>
 
 #include "common.cuh"
-#include "grouped_gemm.h"
 
 namespace turbo_moe {
 namespace {

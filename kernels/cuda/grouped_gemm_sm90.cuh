@@ -26,7 +26,7 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  //
 
 // Cooperative schedule: two consumer warpgroups share a 128x256 tile; a 1x2 cluster multicasts
 // the lhs tile to the two CTAs of neighbouring N tiles. (A ping-pong 128x128 weight-grad variant
-// measured slower on every benchmark shape: benchmarks/gpu_notes.md.)
+// measured slower on every benchmark shape: docs/performance.md, "The grouped GEMM".)
 struct Cooperative {
   using TileShape = Shape<_128, _256, _64>;
   using ClusterShape = Shape<_1, _2, _1>;

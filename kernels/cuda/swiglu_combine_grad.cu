@@ -1,4 +1,4 @@
-// CUDA FFI handler of the expert block's SwiGLU backward with its combine weights (model/expert_block.py):
+// CUDA FFI handler of the expert block's SwiGLU backward with its combine weights (turbo_moe/ops/expert_block.py):
 //   turbo_moe_swiglu_combine_grad: h (M, 2F) = [gate | up], g (M, F), w (M,) float32, valid () int32 ->
 //     d_w[r] = sum_j act[r, j] * g[r, j]                    (float32; act = silu(gate) * up in float32)
 //     d_h[r] = SwiGLU's backward at h for d_act = round(w[r] * g[r])   ([d_gate | d_up], rounded once)
