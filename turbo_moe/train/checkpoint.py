@@ -45,7 +45,7 @@ from turbo_moe.writer_lock import HolderLock
 log = logging.getLogger(__name__)
 # TrainConfig fields that must match for a resumed run to continue the same run: any other value would
 # silently change the trajectory (eval/checkpoint cadence and progress may change; steps as SCHEDULE_FIELDS say).
-RESUME_FIELDS = ("model", "model_overrides", "dataset", "text_field", "val_fraction", "per_device_batch",
+RESUME_FIELDS = ("model", "model_overrides", "dataset", "tokenizer", "text_field", "val_fraction", "per_device_batch",
                  "expert_parallel", "weight_decay", "adam_b1", "adam_b2", "moments_dtype", "grad_clip", "seed",
                  "master_weights")
 # The learning-rate schedule's fields, and "steps" where it is the schedule's length (lr_schedule_steps unset): a
