@@ -40,7 +40,7 @@ def test_accounting_and_slice_run(tmp_path, kernel, corpus):
     for _, point in table.iterrows():
         record = json.loads((results / point["record"]).read_text())
         config = record["provenance"]["config"]
-        assert (config["learning_rate"], config["warmup_steps"]) == (2.2e-4, 1)  # the preset's recipe, recorded
+        assert (config["learning_rate"], config["warmup_steps"]) == (2.2e-4, 4)  # the preset's recipe, recorded
         assert record["provenance"]["model_config"]["d_model"] == 7168 // 64  # the widest shrink, at this budget
         rows.append({"path": point["moe_path"], "status": "ok", "history": record["history"]})
     agreement = full_deepseek.loss_agreement(rows)

@@ -133,7 +133,8 @@ def run_paths(
     train_overrides: Mapping[str, Any], results_dir: str | Path, table: str,
 ) -> list[dict[str, Any]]:
     """Train ``plan`` once per path of ``plan.paths``, each from the same init on the same batches, at the preset's
-    optimizer recipe (turbo_moe/train/recipes.py: DeepSeek-V3's peak 2.2e-4, warmed up over 10% of the steps) unless
+    optimizer recipe (turbo_moe/train/recipes.py: DeepSeek-V3's peak 2.2e-4; a run of under 20 steps warms up over all
+    of them) unless
     ``train_overrides`` set it; each run becomes a row of ``<results_dir>/<table>.csv`` plus a record. Returns one dict
     per path (status, TGS, MFU, losses, measured and predicted bytes, error). The sequence length is the plan's."""
     from turbo_moe.experiments import notebook as nb
