@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import turbo_moe
@@ -55,6 +56,8 @@ def kernel_package_dir(spec) -> Path | None:
            os.environ.get("PYTHONPATH"))
     if key not in _KERNEL_PACKAGE:
         argv = list(spec.argv)
+        if argv and argv[0] in {"python", f"python{sys.version_info[0]}", "python%i.%i" % sys.version_info[:2]}:
+            argv[0] = sys.executable  # as jupyter_client starts such a kernel (the venv's own python3 spec)
         if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["ipykernel_launcher"]:
             origin = _ask_interpreter(argv[:argv.index("-m")], spec.env or {})
         else:
