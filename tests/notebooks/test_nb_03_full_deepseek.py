@@ -46,6 +46,10 @@ def test_accounting_and_slice_run(tmp_path, kernel, corpus):
     agreement = full_deepseek.loss_agreement(rows)
     assert agreement["loss fell"].all(), rows  # the last step's loss below the first's, on every path
     assert agreement["within"].all(), agreement  # dropless paths tightly, dense_cf by its drops
+    # On the CPU the dropless paths run the same math but for the expert GEMMs' order, and dense_cf drops a
+    # few copies at cf 1.25: far inside the GPU's tolerances.
+    gap = agreement["max |loss - ragged|"]
+    assert gap["turbo"] < 1e-3 and gap["dense_cf"] < 0.05, agreement
     text = executed.read_text()
     assert "671.03" in text  # total (main) parameters, billions, of the exact config
     assert "the ladder at batch" in text and "SHRUNK slice (not DeepSeek-V3's widths)" in text
