@@ -382,7 +382,9 @@ def report_command(experiments_dir: Path | None, *, notebook: Path | None = None
     bad argument, naming it. Runs from any folder: the defaults are this clone's experiments/ and notebook."""
     from turbo_moe.experiments.results import scan_results
 
-    experiments = Path(experiments_dir) if experiments_dir is not None else REPORT_NOTEBOOK.parents[1] / "experiments"
+    if experiments_dir is None:  # this clone's; a package installed outside a clone: the working folder's
+        experiments_dir = REPORT_NOTEBOOK.parents[1] / "experiments" if REPORT_NOTEBOOK.is_file() else "experiments"
+    experiments = Path(experiments_dir)
     if not experiments.is_dir():
         raise ValueError(f"--experiments-dir {str(experiments)!r} is not a folder (resolved: {experiments.resolve()}); "
                          "give the folder that holds results/")
