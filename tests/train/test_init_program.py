@@ -108,3 +108,27 @@ def test_compile_on_cpu_leaves_out_options_this_xla_does_not_know():
     _assert_same(compiled(jax.random.key(0)), jax.jit(_init)(jax.random.key(0)))
     with pytest.raises(TypeError):  # other errors still surface
         compile_on_cpu(lowered)(jax.random.key(0), "an argument too many")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU's multi-device init")
+def test_cpu_mesh_init_is_drawn_on_one_device_and_laid_out():
+    """A CPU mesh of several devices draws the state with the one-device Philox program (the one-draw init a
+    one-device CPU run compiles) and lays each leaf out on the mesh: the sharded threefry program compiled for
+    minutes. Its values, the program's shardings, and no sharded program compiled."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 host devices")
+    from turbo_moe.train import TrainConfig
+    from turbo_moe.train.step import make_mesh, program_for
+
+    tc = TrainConfig(model="tiny", model_overrides={"n_layers": 2, "mtp_depth": 0}, dataset="synthetic",
+                     seq_len=32).resolved()
+    program = program_for(tc, tc.model_config(), make_mesh(jax.devices()[:4]))
+    state, key = program.init(jax.random.key(7)), cpu_key(jax.random.key(7))
+    assert program.init.last_choice["why"].endswith("drawn on one device, then laid out on the mesh")
+    assert list(program.init._compiled) == ["one_device"]  # the sharded programs were never compiled
+    drawn = program.init._compiled["one_device"](key)
+    for got, want, abstract in zip(jax.tree.leaves(state), jax.tree.leaves(drawn),
+                                   jax.tree.leaves(program.abstract_state)):
+        assert got.sharding == abstract.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state))  # really cut over the mesh

@@ -17,6 +17,12 @@ them.
   compiled with `CPU_COMPILER_OPTIONS` (XLA's elemental emitters instead of its MLIR fusion emitters: a
   cheaper compile of the same bits, and the program runs once), or without them where this XLA lacks one.
   docs/notes/newcomer.md has the measurements.
+- CPU, a mesh of several devices: XLA:CPU cannot lower Philox on a sharded output, and the sharded threefry
+  program compiled for minutes (tiny on 4 or 8 devices: 130-240 s, against 8 s on one device). Under "auto" the
+  one-device Philox program (`one_device`) draws the whole state on this process's first device, and each leaf is
+  laid out on the mesh from a host copy (`jax.make_array_from_callback`: every process draws the same values and
+  places its own shards). The same values as a one-device CPU run of the seed; the whole state is held once per
+  process while it is laid out.
 
 `mode`: "auto" (the above), "on" (threefry with the GPU kernel lowering; an error where it fails), "off"
 (threefry with the default lowering on every device: the values of the jitted init called with the
@@ -124,14 +130,17 @@ class InitProgram:
     generator and lowering the program uses ("rng", "lowering": "kernel" or "default") and why.
     """
 
-    def __init__(self, jitted: Callable, mode: str = "auto", *, devices: int = 1, one_draw: Callable | None = None):
+    def __init__(self, jitted: Callable, mode: str = "auto", *, devices: int = 1, one_draw: Callable | None = None,
+                 one_device: Callable | None = None, shardings: Any = None):
         """`one_draw`: the same init with every normal parameter sliced from one draw (model/normal_init.py), jitted
         like `jitted`; the Philox program on the CPU runs it (one random call site to compile instead of one a
-        parameter kind)."""
+        parameter kind). `one_device` and `shardings`: that init jitted onto one local device, and the layout of
+        `jitted`'s outputs; a CPU mesh of several devices draws there and lays the state out (the module doc)."""
         if mode not in MODES:
             raise ValueError(f"InitProgram mode: must be one of {MODES}, got {mode!r}")
         self.jitted = jitted
         self.one_draw = one_draw
+        self.one_device, self.shardings = one_device, shardings
         self.mode = mode
         self.last_choice: dict[str, Any] = {}
         # Philox does not lower on outputs sharded over several CPU devices (see _cpu_compile): a program over a
@@ -228,7 +237,31 @@ class InitProgram:
         self.last_choice = {"rng": str(jax.random.key_impl(key)), "lowering": "default", "why": why}
         return self.jitted.lower(key).compile()
 
+    def _laid_out_from_one_device(self, key) -> bool:
+        return (self.mode == "auto" and self.one_device is not None and self.shardings is not None
+                and jax.default_backend() == "cpu" and not isinstance(key, jax.core.Tracer) and _is_threefry(key)
+                and _has_impl(CPU_RNG))
+
+    def _one_device_init(self, key):
+        """The state drawn on one device with the CPU's Philox program, then each leaf laid out as `shardings` say."""
+        program_key = cpu_key(key)
+        if "one_device" not in self._compiled:
+            self._compiled["one_device"] = compile_on_cpu(self.one_device.lower(program_key))
+        state = self._compiled["one_device"](program_key)
+        self.last_choice = {"rng": CPU_RNG, "lowering": "default", "normal_draws": "one",
+                            "why": "not a GPU; drawn on one device, then laid out on the mesh"}
+        return jax.tree.map(_laid_out, state, self.shardings)
+
     def __call__(self, key):
         if isinstance(key, jax.core.Tracer):  # traced (eval_shape, an outer jit): the plain jitted init
             return self.jitted(key)
+        if self._laid_out_from_one_device(key):
+            return self._one_device_init(key)
         return self.compile(key)(self.program_key(key))
+
+
+def _laid_out(array, sharding):
+    """`array` (whole, on one CPU device) as a global array with `sharding`: each addressable shard from a host copy
+    (jax.device_put between these layouts compiled a program per leaf: 16 s for tiny's 152 leaves)."""
+    host = np.asarray(array)  # the CPU device's memory is the host's
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -11,6 +11,7 @@ turbo_moe/train/run_folder.py. The launcher's children: turbo_moe/train/local_pr
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 from pathlib import Path
@@ -107,7 +108,11 @@ def train_from_file(config_path: str | Path, sets: Sequence[str] = (), *, out: s
     if rank0:
         _write_outputs(result, plan, config, echo)
     if joined and result.ok:
-        distributed.shutdown()  # a failed process leaves at once: the others' collectives fail instead of hanging
+        distributed.shutdown()
+    elif joined:  # a failed process leaves at once, and the others' collectives fail instead of hanging: not through
+        sys.stdout.flush()  # JAX's exit handler, which waits up to 5 minutes for the others to leave together
+        sys.stderr.flush()
+        os._exit(1)
     return 0 if result.ok else 1
 
 
@@ -127,7 +132,8 @@ def _write_outputs(result, plan: RunPlan, config: TrainConfig, echo) -> None:
         first = result.error.strip().splitlines()[0] if result.error.strip() else ""
         echo(f"error: {first} (the full text in {plan.record})", flush=True)
     kept = [p.name for p in (plan.record, plan.folder / run_folder.HISTORY) if p.parent == plan.folder]
-    kept.append(f"TensorBoard events (tensorboard --logdir {plan.folder})")
+    if any(plan.folder.glob(run_folder.EVENTS_GLOB)):
+        kept.append(f"TensorBoard events (tensorboard --logdir {plan.folder})")
     if plan.checkpoint_dir is not None and run_folder.saved_steps(plan.checkpoint_dir):
         kept.append(f"{run_folder.CHECKPOINT}/" if plan.own_checkpoint else f"checkpoints in {plan.checkpoint_dir}")
     echo(f"results in {plan.folder}: {', '.join(kept)}"

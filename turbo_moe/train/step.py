@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from turbo_moe.model import DeepSeekModel, ModelConfig, lm_loss, update_router_bias
 from turbo_moe.model import device_choices as model_device_choices
@@ -328,9 +328,14 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
                                   shapes, state_sharding)
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
+    one_device = None
+    if platform == "cpu" and mesh.size > 1 and offloaded is None:  # CPU meshes: drawn on one device, laid out
+        one_device = jax.jit(_with_one_normal_draw(create), compiler_options=options,
+                             out_shardings=SingleDeviceSharding(jax.local_devices()[0]))
     init = InitProgram(jax.jit(create, out_shardings=state_sharding, compiler_options=options), devices=mesh.size,
                        one_draw=jax.jit(_with_one_normal_draw(create), out_shardings=state_sharding,
-                                        compiler_options=options))
+                                        compiler_options=options),
+                       one_device=one_device, shardings=state_sharding)
     bias_rate = functools.partial(bias_rate_at, model_cfg)
     train = jax.jit(_in_mesh(make_train_step(graphdef, tx, bias_rate, cast, offloaded), mesh),
                     in_shardings=(state_sharding, data_sharding),
