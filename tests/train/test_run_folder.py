@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from turbo_moe.train import run_folder
-from turbo_moe.train.launch import resolve_run
+from turbo_moe.train.launch import prepared, resolve_run
 from turbo_moe.train.run_folder import RunFolderError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
@@ -41,6 +41,11 @@ def test_default_folders_are_numbered_and_never_reused(tmp_path, config_file):
     run_folder.prepare(plan)
     (root / "tiny-3").mkdir()
     assert resolve_run(config_file, root=root)[1].folder == root / "tiny-4"  # after the highest, not a gap
+    # Two trains of one config at once: the one that finds its planned folder taken takes the next number.
+    config, plan = resolve_run(config_file, root=root)
+    plan.folder.mkdir()
+    config, plan = prepared(config_file, [], config, plan, record=None, overwrite=False, root=root)
+    assert plan.folder == root / "tiny-5" and config.checkpoint_dir == str(root / "tiny-5" / "checkpoint")
     # A config that names its checkpoint_dir keeps it (null: no checkpoints at all).
     assert resolve_run(config_file, ["checkpoint_dir=null"], root=root)[0].checkpoint_dir is None
     assert resolve_run(config_file, [f"checkpoint_dir={tmp_path / 'ck'}"], root=root)[1].own_checkpoint is False

@@ -40,6 +40,19 @@ def resolve_run(config_path: str | Path, sets: Sequence[str] = (), *, out: str |
     return config, plan
 
 
+def prepared(config_path: str | Path, sets: Sequence[str], config: TrainConfig, plan: RunPlan, *,
+             record: str | Path | None, overwrite: bool, root: Path) -> tuple[TrainConfig, RunPlan]:
+    """`run_folder.prepare(plan)`; a new default folder another run took meanwhile (two trains of one config at
+    once) makes the plan again, with the next number."""
+    for _ in range(1000):
+        try:
+            run_folder.prepare(plan, overwrite=overwrite)
+            return config, plan
+        except run_folder.FolderTaken:
+            config, plan = resolve_run(config_path, sets, record=record, overwrite=overwrite, root=root)
+    raise run_folder.RunFolderError(f"no free run folder next to {plan.folder}")
+
+
 def check_devices(config: TrainConfig, devices: int, where: str) -> None:
     """expert_parallel must divide the devices (the mesh is devices / EP x EP): one line before any process starts."""
     ep = config.expert_parallel
@@ -92,7 +105,7 @@ def train_from_file(config_path: str | Path, sets: Sequence[str] = (), *, out: s
     rank0 = jax.process_index() == 0
     log = None
     if rank0:
-        run_folder.prepare(plan, overwrite=overwrite)
+        config, plan = prepared(config_path, sets, config, plan, record=record, overwrite=overwrite, root=root)
         where = (f"process 0 of {group.num_processes} ({group.cluster})" if group else "one process")
         echo(f"turbo-moe train {config_path}: {where}, {jax.device_count()} device(s) "
              f"({jax.devices()[0].device_kind}), expert_parallel={config.expert_parallel}; run folder {plan.folder}",
@@ -161,7 +174,7 @@ def launch_local(config_path: str | Path, sets: Sequence[str] = (), *, processes
     check_devices(config, devices, f"launch gives ({processes} processes x {_devices_text(gpus, cpu_devices, processes)})")
     if plan.finished:
         return _finished(plan, config, echo)
-    run_folder.prepare(plan, overwrite=overwrite)
+    config, plan = prepared(config_path, sets, config, plan, record=record, overwrite=overwrite, root=root)
     logs = Path(log_dir) if log_dir is not None else plan.folder / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     argv = [python, "-m", "turbo_moe.cli", "train", str(config_path), *(a for s in sets for a in ("--set", s)),

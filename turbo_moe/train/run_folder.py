@@ -36,6 +36,10 @@ class RunFolderError(ValueError):
     """The run's output locations would lose a record or cannot hold it (the message says which and why)."""
 
 
+class FolderTaken(RunFolderError):
+    """Another run took this new default folder between the plan and its creation: plan again (the next number)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     """Where a run writes, and what it continues.
@@ -180,7 +184,12 @@ def prepare(plan: RunPlan, *, overwrite: bool = False) -> None:
     """Make the folders the plan writes to; with `overwrite`, remove the earlier run's files first. Raises
     RunFolderError (e.g. no permission) naming the folder."""
     try:
-        plan.folder.mkdir(parents=True, exist_ok=not plan.fresh_folder)
+        try:
+            plan.folder.mkdir(parents=True, exist_ok=not plan.fresh_folder)
+        except FileExistsError:
+            if plan.fresh_folder:
+                raise FolderTaken(f"{plan.folder} was taken by another run") from None
+            raise
         plan.record.parent.mkdir(parents=True, exist_ok=True)
         if overwrite:
             for name in (RECORD, HISTORY):
