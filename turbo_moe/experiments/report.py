@@ -370,6 +370,7 @@ def run_report_notebook(
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(
         str(notebook), str(out), kernel_name=kernel, cwd=str(notebook.parent), progress_bar=False,
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],  # as the sweeps: no transport warning at start-up
         parameters={"store_dir": str(main.resolve()), "figures_dir": str(Path(figures_dir).resolve()),
                     "local_store_dir": str(local.resolve()) if local is not None else None},
     )
