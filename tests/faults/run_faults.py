@@ -50,7 +50,8 @@ def records_never_replaced(root: Path, o: Outcome) -> str:
     rc, _, err = cli_run(["train", str(TINY), "--out", str(root / "done")], o)
     _one_line(rc, err, "already holds a run (record.json (status ok, 12 steps)", "--overwrite")
     (root / "a_file").write_text("x")
-    rc, _, err = cli_run(["train", str(TINY), "--out", str(root / "new"), "--record", str(root / "a_file" / "r.json")], o)
+    rc, _, err = cli_run(["train", str(TINY), "--out", str(root / "new"), "--record", str(root / "a_file" / "r.json")],
+                         o)
     _one_line(rc, err, "a_file is a file, not a folder")
     rc, _, err = cli_run(["train", str(TINY), "--out", str(root / "new"), "--record", str(root / "done")], o)
     _one_line(rc, err, "is a folder; give a file path")
@@ -179,7 +180,8 @@ def resume_with_other_experts(root: Path, o: Outcome) -> str:
     assert ckpt.finish() is None
     rc, _, err = cli_run(["train", str(TINY), "--out", str(root / "run"), "--set", "resume=true", "--set",
                           "model_overrides.n_experts=4", "--set", "progress=false"], o)
-    _one_line(rc, err, "cannot resume: the checkpoint was written by a different run (model_overrides=", "'n_experts': 4")
+    _one_line(rc, err, "cannot resume: the checkpoint was written by a different run (model_overrides=",
+              "'n_experts': 4")
     assert not (root / "run" / "record.json").exists()
     return "refused in one line naming model_overrides (n_experts 8 -> 4), before initialising; no record written"
 

@@ -171,7 +171,8 @@ def launch_local(config_path: str | Path, sets: Sequence[str] = (), *, processes
     envs = process_envs(processes, gpus=gpus, cpu_devices=cpu_devices, port=port)
     config, plan = resolve_run(config_path, sets, out=out, record=record, overwrite=overwrite, root=root)
     devices = gpus if gpus is not None else cpu_devices * processes
-    check_devices(config, devices, f"launch gives ({processes} processes x {_devices_text(gpus, cpu_devices, processes)})")
+    check_devices(config, devices,
+                  f"launch gives ({processes} processes x {_devices_text(gpus, cpu_devices, processes)})")
     if plan.finished:
         return _finished(plan, config, echo)
     config, plan = prepared(config_path, sets, config, plan, record=record, overwrite=overwrite, root=root)
