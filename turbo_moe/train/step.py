@@ -329,7 +329,7 @@ def build_program(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh
     data_sharding = {"inputs": batch_sharding(mesh), "targets": batch_sharding(mesh)}
     # Initialising under jit with out_shardings puts every leaf on every device without a host copy.
     one_device = None
-    if platform == "cpu" and mesh.size > 1 and offloaded is None:  # CPU meshes: drawn on one device, laid out
+    if platform == "cpu" and mesh.size > 1:  # CPU meshes: drawn on one device, laid out (offloaded leaves too)
         one_device = jax.jit(_with_one_normal_draw(create), compiler_options=options,
                              out_shardings=SingleDeviceSharding(jax.local_devices()[0]))
     init = InitProgram(jax.jit(create, out_shardings=state_sharding, compiler_options=options), devices=mesh.size,
