@@ -236,7 +236,7 @@ def dry_run_values(root: Path, o: Outcome) -> str:
     cases = [("seed: 9223372036854775808", "TrainConfig.seed: must be below 2**63"),
              ("seed: 18446744073709551616", "TrainConfig.seed"),
              ("moe_path: raged", "parameter moe_path: unknown path 'raged'"),
-             ("learning_rate: '1e-3'", "TrainConfig.learning_rate: must be a positive finite number, got '1e-3'"),
+             ("learning_rate: '1e-3'", "TrainConfig.learning_rate: must be a positive finite number or None, got '1e-3'"),
              ("dataset: /dev/null", "'/dev/null' is neither a file nor a directory"),
              ("dataset: %s" % root, "dataset directory")]
     for value, expect in cases:
