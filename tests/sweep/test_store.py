@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from turbo_moe.experiments import migrate, migration_check, store
+from turbo_moe.experiments import migrate, migration_check, report_check, store
 from turbo_moe.experiments.results import append_row
 from turbo_moe.experiments.store import Record, StoreError
 
@@ -110,7 +110,7 @@ def test_migration_of_a_small_tree_rebuilds_every_file(tmp_path, capsys):
 def test_figures_drawn_from_files_and_from_the_store_are_identical(tmp_path):
     results = _small_tree(tmp_path)
     migrate.ingest(results, tmp_path / "store")
-    compared = migration_check.compare_report(results, tmp_path / "store", tmp_path / "figures")
+    compared = report_check.compare_report(results, tmp_path / "store", tmp_path / "figures")
     assert compared and set(compared.values()) == {"same"}, compared
     assert "results.md" in compared and "loss_curves.png" in compared
 

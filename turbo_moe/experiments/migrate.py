@@ -27,10 +27,8 @@ dropped silently. ``ingest`` is incremental: files whose sha256 is already in th
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
-import math
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -39,30 +37,14 @@ from typing import Any
 
 import pandas as pd
 
-from turbo_moe import provenance as prov
-from turbo_moe.experiments import results, store
+from turbo_moe.experiments import migration_check, results, store
+from turbo_moe.experiments.result_records import campaign_of, is_summary, json_record, load_json, plain, split_row
 from turbo_moe.experiments.store import Record
 
 INLINE_TEXT_BYTES = 64 * 1024
 SWEEP_LEAD = ("sweep", "point", "point_key")
 SWEEP_TAIL = ("elapsed_s", "record", "notebook_out")
-PROVENANCE_KEYS = {*prov.FIELDS, *prov.LEGACY_NAMES, "jaxlib_version", "python_version", "hostname", "cpu"}
-CONFIG_KEYS = ("config", "train_config", "model_config", "args", "parameters", "argv", "model_overrides", "params",
-               "targets", "recipes", "router")
 SKIPPED_SUFFIXES = (".tmp", ".partial", ".lock")
-# Names of measured values (everything else in a benchmark row is a setting of the case).
-_SUMMARY_WORDS = ("ms", "s", "tgs", "tflops", "gflops", "gbps", "mfu", "loss", "ce", "bytes", "gib", "pct", "error",
-                  "diff", "time", "seconds", "dropped", "load", "tokens", "flops", "ratio", "speedup", "memory")
-
-
-def campaign_of(relative: str | Path) -> str:
-    """The campaign a file under the results folder belongs to (its top-level entry, suffixes removed)."""
-    top = Path(relative).parts[0]
-    for suffix in (".json.gz", ".csv.gz", ".csv", ".jsonl", ".json", ".md", ".txt", ".log"):
-        if top.endswith(suffix):
-            top = top[: -len(suffix)]
-            break
-    return "step_breakdown" if top.startswith("step_breakdown_") else top
 
 
 def result_files(results_dir: str | Path) -> dict[str, list[str]]:
@@ -79,120 +61,6 @@ def result_files(results_dir: str | Path) -> dict[str, list[str]]:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _is_summary(name: str) -> bool:
-    words = name.lower().replace("-", "_").split("_")
-    return any(w in _SUMMARY_WORDS for w in words) or name.lower().endswith(("_ms", "_s", "ms"))
-
-
-def _plain(value: Any) -> Any:
-    """A table cell as a JSON-friendly Python value (missing -> None)."""
-    if value is None:
-        return None
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
-
-
-def _split_row(row: Mapping[str, Any], summary_keys: set[str] | None = None) -> dict[str, dict[str, Any]]:
-    """A table row's cells into config / provenance / summary (missing cells left out)."""
-    parts: dict[str, dict[str, Any]] = {"config": {}, "provenance": {}, "summary": {}}
-    for key, value in row.items():
-        value = _plain(value)
-        if value is None:
-            continue
-        if key in PROVENANCE_KEYS:
-            parts["provenance"][key] = value
-        elif (key in summary_keys) if summary_keys is not None else _is_summary(key):
-            parts["summary"][key] = value
-        else:
-            parts["config"][key] = value
-    return parts
-
-
-def flatten_step(entry: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any], bool]:
-    """One per-step mapping as {metric: number} (lists of numbers as ``name[i]``, mappings as ``name.key``);
-    True when it held something else (text, lists of mappings), which the history cannot keep."""
-    out: dict[str, Any] = {}
-    lost = False
-    for key, value in entry.items():
-        name = f"{prefix}{key}"
-        if key == "step" and not prefix:
-            continue
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            out[name] = float(value)
-        elif isinstance(value, (int, float)):
-            out[name] = value
-        elif isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-            out.update({f"{name}[{i}]": v for i, v in enumerate(value)})
-        elif isinstance(value, dict):
-            inner, inner_lost = flatten_step(value, f"{name}.")
-            out.update(inner)
-            lost |= inner_lost
-        else:
-            lost = True
-    return out, lost
-
-
-def _history(entries: list[Mapping[str, Any]], prefix: str = "") -> tuple[list[dict[str, Any]], bool]:
-    rows, lost = [], False
-    for i, entry in enumerate(entries):
-        flat, entry_lost = flatten_step(entry, prefix)
-        lost |= entry_lost
-        rows.append({"step": int(entry.get("step", i)), **flat})
-    return rows, lost
-
-
-def _is_step_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value) and \
-        any("step" in v for v in value)
-
-
-def json_record(data: Any, *, record: str, table: str, source: str) -> tuple[Record, bool]:
-    """A JSON document as one record; True when per-step detail was left out (see ``flatten_step``)."""
-    if not isinstance(data, dict):
-        return Record(record, "benchmark", table, source, extra={"value": data}), False
-    rec = Record(record, "benchmark", table, source, status=data.get("status"), error=data.get("error"))
-    lost = False
-    for key, value in data.items():
-        if key in ("status", "error"):
-            continue
-        if key == "provenance" and isinstance(value, dict):
-            rec.provenance.update(value)
-        elif key == "summary" and isinstance(value, dict):
-            rec.summary.update(value)
-        elif key in CONFIG_KEYS:
-            rec.config[key] = value
-        elif key in PROVENANCE_KEYS and not isinstance(value, (dict, list)):
-            rec.provenance[key] = value
-        elif _is_step_list(value):
-            steps, step_lost = _history(value, "" if key == "history" else f"{key}.")
-            lost |= step_lost
-            rec.history = _merge_steps(rec.history, steps)
-            rec.extra.setdefault("_history_keys", []).append(key)
-        else:
-            rec.extra[key] = value
-    if rec.history:
-        rec.kind = "run"
-    return rec, lost
-
-
-def _merge_steps(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    merged: dict[int, dict[str, Any]] = {}
-    for entry in [*a, *b]:
-        merged.setdefault(entry["step"], {"step": entry["step"]}).update(entry)
-    return [merged[s] for s in sorted(merged)]
-
-
-def _load_json(data: bytes, name: str) -> Any:
-    if name.endswith(".gz"):
-        data = gzip.decompress(data)
-    return json.loads(data.decode())
 
 
 def _table_text(path: Path, relative: str) -> tuple[pd.DataFrame, list[results.DamagedRow]]:
@@ -245,7 +113,7 @@ class CampaignImport:
         if name.endswith(".csv"):
             self._import_table(relative, path, data)
         elif name.endswith((".json", ".json.gz")):
-            rec, lost = json_record(_load_json(data, name), record=relative, table=table, source=relative)
+            rec, lost = json_record(load_json(data, name), record=relative, table=table, source=relative)
             self.add(rec)
             self.source(relative, data, "json", f"records (per-step detail in git {self.commit})" if lost else
                         "records")
@@ -279,8 +147,8 @@ class CampaignImport:
         else:
             table = relative[: -len(".csv")]
             for i, row in enumerate(frame.to_dict("records")):
-                status, error = _plain(row.pop("status", None)), _plain(row.pop("error", None))
-                parts = _split_row(row)
+                status, error = plain(row.pop("status", None)), plain(row.pop("error", None))
+                parts = split_row(row)
                 digest = _sha256(json.dumps([parts, status, error], sort_keys=True, default=str).encode())[:12]
                 self.add(Record(f"{relative}#{digest}", "benchmark", table, relative, status=status, error=error,
                                 extra={"_row": i}, **parts))
@@ -288,19 +156,19 @@ class CampaignImport:
 
     def _sweep_rows(self, relative: str, frame: pd.DataFrame) -> None:
         for i, row in enumerate(frame.to_dict("records")):
-            row = {k: _plain(v) for k, v in row.items()}
+            row = {k: plain(v) for k, v in row.items()}
             document, record_file = None, row.get("record")
             if isinstance(record_file, str) and (self.results_dir / record_file).is_file():
                 raw = (self.results_dir / record_file).read_bytes()
-                document = _load_json(raw, record_file)
+                document = load_json(raw, record_file)
                 if record_file not in self.consumed:
                     self.source(record_file, raw, "json", f"records (with {relative}, point {row['point']})")
                     self.consumed.add(record_file)
             summary_keys = set((document or {}).get("summary", {})) | {
-                k for k in row if _is_summary(k) and k not in SWEEP_LEAD + SWEEP_TAIL}
+                k for k in row if is_summary(k) and k not in SWEEP_LEAD + SWEEP_TAIL}
             lead = {k: row.pop(k) for k in (*SWEEP_LEAD, *SWEEP_TAIL) if k in row}
             status, error = row.pop("status", None), row.pop("error", None)
-            parts = _split_row(row, summary_keys)
+            parts = split_row(row, summary_keys)
             rec = Record(f"{lead['point']}@{parts['provenance'].get('date') or i}", "run", str(lead["sweep"]), relative,
                          status=status, error=error, extra={**lead, "_row": i}, **parts)
             if document is not None and record_file == lead.get("record") and self._latest(frame, i):
@@ -329,12 +197,12 @@ class CampaignImport:
             key = key if isinstance(key, tuple) else (key,)
             constant = [c for c in part.columns if c != "step" and part[c].nunique(dropna=False) == 1]
             varying = [c for c in part.columns if c not in constant and c != "step"]
-            parts = _split_row(part.iloc[0][constant].to_dict())
-            history = [{"step": int(s), **{c: _plain(v) for c, v in zip(varying, values)
-                                           if _plain(v) is not None and not isinstance(_plain(v), str)}}
+            parts = split_row(part.iloc[0][constant].to_dict())
+            history = [{"step": int(s), **{c: plain(v) for c, v in zip(varying, values)
+                                           if plain(v) is not None and not isinstance(plain(v), str)}}
                        for s, *values in part[["step", *varying]].itertuples(index=False)]
-            text_columns = {c: [_plain(v) for v in part[c]] for c in varying
-                            if any(isinstance(_plain(v), str) for v in part[c])}
+            text_columns = {c: [plain(v) for v in part[c]] for c in varying
+                            if any(isinstance(plain(v), str) for v in part[c])}
             extra = {"_row": order, "_rows": part.index.tolist(), "_varying": varying,
                      "_ints": [c for c in varying if pd.api.types.is_integer_dtype(part[c])]}
             if text_columns:
@@ -473,8 +341,6 @@ def main(argv: list[str] | None = None) -> int:
         mark_superseded(args.store)
         set_titles(args.store)
     if args.check:
-        from turbo_moe.experiments import migration_check
-
         problems = migration_check.check(args.results, args.store, campaigns=args.campaign)
         for line in problems:
             print(f"MISMATCH {line}")

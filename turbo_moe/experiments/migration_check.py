@@ -3,7 +3,7 @@
 ``check(results_dir, store_dir)`` returns one line per mismatch (an empty list: nothing lost). Tables are
 compared as ``results.read_table`` parses them (values and dtypes); JSON records after ``flatten_step``
 (per-step detail that ``sources.stored`` says stays in git history is left out of both sides).
-``compare_figures`` compares two folders of drawn figures pixel by pixel.
+``report_check`` draws the report both ways (files vs store) and compares the figures.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from turbo_moe.experiments import results, store
-from turbo_moe.experiments.migrate import _load_json, campaign_of, json_record
+from turbo_moe.experiments.result_records import json_record, load_json
 
 
 def rebuild_table(store_dir: str | Path, campaign: str, source: str) -> pd.DataFrame:
@@ -95,7 +94,7 @@ def check(results_dir: str | Path, store_dir: str | Path, campaigns: Iterable[st
                     problems.append(f"{where}: no record")
                     continue
                 row = rows.iloc[0]
-                original = _normal(_load_json(path.read_bytes(), path.name), row["record"], row["table"], row["source"])
+                original = _normal(load_json(path.read_bytes(), path.name), row["record"], row["table"], row["source"])
                 stored = _stored_document(row, history)
                 if "detail in git" in source["stored"]:  # per-step traces left in git history: compare the rest
                     original["history"] = {s: {k: v for k, v in h.items() if k in stored["history"].get(s, {})}
@@ -107,70 +106,3 @@ def check(results_dir: str | Path, store_dir: str | Path, campaigns: Iterable[st
                 if path.read_text() != source["text"]:
                     problems.append(f"{where}: inline text differs")
     return problems
-
-
-def compare_figures(before: str | Path, after: str | Path) -> dict[str, str]:
-    """name -> "same" / "differs (n pixels)" / "only before" / "only after", for every PNG and .md file."""
-    import matplotlib.image as mpimg
-
-    before, after = Path(before), Path(after)
-    names = sorted({p.name for p in before.glob("*") if p.suffix in (".png", ".md")} |
-                   {p.name for p in after.glob("*") if p.suffix in (".png", ".md")})
-    out = {}
-    for name in names:
-        a, b = before / name, after / name
-        if not a.exists() or not b.exists():
-            out[name] = "only before" if a.exists() else "only after"
-        elif name.endswith(".md"):
-            out[name] = "same" if a.read_text() == b.read_text() else "differs"
-        else:
-            x, y = mpimg.imread(a), mpimg.imread(b)
-            if x.shape != y.shape:
-                out[name] = f"differs (size {x.shape[:2]} vs {y.shape[:2]})"
-            else:
-                n = int(np.any(x != y, axis=-1).sum())
-                out[name] = "same" if n == 0 else f"differs ({n} pixels)"
-    return out
-
-
-def report_data_from_files(results_dir: str | Path):
-    """The report's data read the way the report read it before the store (tables and JSON records under
-    ``results_dir``): the 'before' side of the migration's figure comparison."""
-    from turbo_moe.experiments import figures, report
-
-    frame = figures.with_path_labels(results.load_results(results_dir))
-    histories, loads = [], {}
-    for sweep in report.comparison_sweeps(frame) if not frame.empty else []:
-        for _, row in frame[(frame["sweep"] == sweep) & frame["record_path"].notna()].iterrows():
-            record = results.load_record(row["record_path"]) or {}
-            history = pd.DataFrame(record.get("history") or [])
-            if len(history) >= report.MIN_CURVE_STEPS and "step" in history:
-                histories.append(history.assign(sweep=sweep, point=row["point"], label=row["path"],
-                                                moe_path=row["moe_path"]))
-            if record.get("expert_load"):
-                loads.setdefault(sweep, {})[row["path"]] = np.asarray(record["expert_load"], dtype=float)
-    kernels = results.load_kernel_tables(results_dir)
-    # The campaign each row belongs to, as the store names it (the figures' footers and results.md say it).
-    if not frame.empty:
-        frame["campaign"] = [campaign_of(f"{s}.csv") for s in frame["sweep"]]
-    if not kernels.empty:
-        kernels["campaign"] = [campaign_of(f"{t}.csv") for t in kernels["table"]]
-    histories = pd.concat(histories, ignore_index=True) if histories else pd.DataFrame()
-    phases = report.routing_phases(histories)
-    if not phases.empty:
-        frame = frame.merge(phases, on=["sweep", "point"], how="left")
-    return report.ReportData(results=frame, histories=histories, loads=loads, kernels=kernels)
-
-
-def compare_report(results_dir: str | Path, store_dir: str | Path, out_dir: str | Path) -> dict[str, str]:
-    """Draw the report from the files (``out_dir/before``) and from the store (``out_dir/after``, every
-    campaign, as the files held them all) with the same drawing code; compare the figures and results.md."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from turbo_moe.experiments import report
-
-    out_dir = Path(out_dir)
-    report.draw_report(report_data_from_files(results_dir), out_dir / "before")
-    report.draw_report(report.load_report_data(store_dir, store.campaign_names(store_dir)), out_dir / "after")
-    return compare_figures(out_dir / "before", out_dir / "after")

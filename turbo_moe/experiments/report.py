@@ -35,7 +35,9 @@ import pandas as pd
 import seaborn as sns
 
 import turbo_moe
-from turbo_moe.experiments import convergence, figures, store
+from turbo_moe.experiments import convergence, figures, migrate, store
+from turbo_moe.experiments.kernel_check import check_kernel
+from turbo_moe.experiments.results import scan_results
 from turbo_moe.experiments.report_data import (LOCAL_SUFFIX, MIN_CURVE_STEPS, ROUTING_PHASES,  # noqa: F401
                                                ReportData, comparison_sweeps, load_report_data, routing_phases)
 
@@ -125,8 +127,6 @@ def stores_to_read(committed: Path, ingest: Path) -> tuple[Path, Path | None]:
 def ingest_live_tables(results_dir: str | Path, store_dir: str | Path) -> dict[str, int]:
     """Bring the sweep runner's and benchmarks' tables under ``results_dir`` into the store (only files
     that changed since the last ingest)."""
-    from turbo_moe.experiments import migrate
-
     return migrate.ingest(results_dir, store_dir, quiet=True)
 
 
@@ -354,9 +354,7 @@ def run_report_notebook(
     """Ingest the live tables of ``results_dir`` into ``store_dir`` (as ``build_report``), then execute the
     report notebook (default: this clone's ``REPORT_NOTEBOOK``) on the stores through papermill; returns the
     manifest it wrote."""
-    import papermill
-
-    from turbo_moe.experiments.runner import check_kernel
+    import papermill  # an optional dependency (the notebooks extra); drawing in-process does not need it
 
     notebook = Path(notebook) if notebook is not None else REPORT_NOTEBOOK
     if not notebook.is_file():
@@ -381,8 +379,6 @@ def report_command(experiments_dir: Path | None, *, notebook: Path | None = None
                    in_process: bool = False, publish: bool = False) -> int:
     """``turbo-moe report``: ingest, draw, print where everything is (see ``ReportPlaces``). ValueError for a
     bad argument, naming it. Runs from any folder: the defaults are this clone's experiments/ and notebook."""
-    from turbo_moe.experiments.results import scan_results
-
     if experiments_dir is None:  # this clone's; a package installed outside a clone: the working folder's
         experiments_dir = REPORT_NOTEBOOK.parents[1] / "experiments" if REPORT_NOTEBOOK.is_file() else "experiments"
     experiments = Path(experiments_dir)
