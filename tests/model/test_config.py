@@ -63,6 +63,29 @@ def test_bad_config_names_the_field(overrides, field):
         get_config("tiny", **overrides)
 
 
+def test_moe_path_auto_resolves_where_a_path_is_named(tmp_path):
+    """"auto" is the device's fastest dropless path, in a preset override, a YAML file and the path table alike; an
+    unknown name is one ConfigError for field moe_path, from the config and from the table."""
+    import jax
+
+    from turbo_moe.model.config import resolve_moe_path
+    from turbo_moe.model.paths import path_row
+    from turbo_moe.validation import ConfigError
+
+    fastest = resolve_moe_path("auto")
+    assert fastest == ("turbo" if jax.default_backend() == "cpu" else fastest)  # the CPU library is always built
+    assert resolve_moe_path("dense_cf") == "dense_cf"
+    (tmp_path / "m.yaml").write_text("moe_path: auto\n")
+    assert get_config("tiny", moe_path="auto").moe_path == fastest
+    assert ModelConfig.from_yaml(str(tmp_path / "m.yaml")).moe_path == fastest
+    assert get_config("tiny", moe_path="ragged").replace(moe_path="auto").moe_path == fastest
+    assert path_row("auto") == path_row(fastest)
+    for build in (lambda: get_config("tiny", moe_path="raged"), lambda: path_row("raged")):
+        with pytest.raises(ConfigError, match="unknown MoE path 'raged'; expected one of .* or 'auto'") as err:
+            build()
+        assert (err.value.field, err.value.value) == ("moe_path", "raged")
+
+
 def test_unknown_field_and_wrong_type():
     with pytest.raises(ValueError, match="n_expertz"):
         ModelConfig.from_dict({"n_expertz": 4})

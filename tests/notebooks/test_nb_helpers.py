@@ -22,23 +22,20 @@ def test_train_config_routes_path_and_capacity_into_model():
     assert table.loc["tokens per device per step", "value"] == "64"
 
 
-def test_auto_path_is_the_fast_dropless_path_of_the_device():
-    import jax
+def test_auto_path_is_the_model_configs_resolution():
+    """The notebook's "auto" is ModelConfig's: the config (and so the record) holds the path it names here."""
+    from turbo_moe.model.config import resolve_moe_path
 
-    from turbo_moe import ops
-
-    loaded = ops.ensure_registered()
-    expected = "turbo" if {"cpu": "cpu", "gpu": "CUDA"}.get(jax.default_backend()) in loaded else "ragged"
-    assert nb.fastest_dropless_path() == expected
-    if jax.default_backend() == "cpu":  # the CPU library is always built: turbo
-        assert expected == "turbo"
     tc = nb.train_config(**{**BASE, "moe_path": "auto"})
+    expected = resolve_moe_path("auto")
+    assert expected in ("turbo", "ragged") and tc.model_overrides["moe_path"] == expected
     assert tc.model_config().moe_path == expected and nb.describe(tc).loc["moe_path", "value"] == expected
 
 
 @pytest.mark.parametrize(
     "bad, message",
-    [({"moe_path": "turbo2"}, "parameter moe_path: unknown path 'turbo2'"),
+    [({"moe_path": "turbo2"}, "parameter moe_path: unknown path 'turbo2'; expected one of ("),
+     ({"moe_path": "turbo2"}, "or 'auto'"),
      ({"per_device_batch": 0}, "parameter per_device_batch: must be a positive int, got 0"),
      ({"per_device_batch": 2.5}, "parameter per_device_batch: must be a positive int, got 2.5"),
      ({"steps": -1}, "TrainConfig.steps: must be a positive int, got -1"),

@@ -37,6 +37,18 @@ def test_file_and_sets_give_the_config(config_file):
     assert tc.model_config().moe_path == "dense_cf" and tc.model_config().top_k == 1
 
 
+def test_auto_path_from_the_file_and_set_is_recorded_resolved(config_file, tmp_path):
+    """moe_path "auto" in a config file or `--set` is the device's fastest dropless path, and the config (what the
+    run's record holds) names that path, not "auto"."""
+    from turbo_moe.model.config import resolve_moe_path
+
+    fastest = resolve_moe_path("auto")
+    auto_file = write(tmp_path / "auto.yaml", config_file.read_text().replace("moe_path: ragged", "moe_path: auto"))
+    for tc in (load_train_config(config_file, ["model_overrides.moe_path=auto"]), load_train_config(auto_file)):
+        assert tc.model_overrides["moe_path"] == tc.to_dict()["model_overrides"]["moe_path"] == fastest
+        assert tc.model_config().moe_path == fastest
+
+
 def test_sub_config_sections_and_dotted_sets(tmp_path):
     """A YAML section per sub-config, and --set into one, reach the same fields as the flat keys."""
     sections = write(tmp_path / "sections.yaml", "model: tiny\noptimizer:\n  learning_rate: 1e-3\n"

@@ -30,7 +30,7 @@ import dataclasses
 import pandas as pd
 
 from turbo_moe.model import ModelConfig, count_params, flops_per_token
-from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS, expert_capacity
+from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS, ONE_DEVICE, expert_capacity, path_row
 from turbo_moe.train.config import MOMENTS_DTYPES, OPTIMIZER_STATE_MEMORIES
 
 GIB = 1024**3
@@ -177,8 +177,6 @@ def attention_working_set_bytes(cfg: ModelConfig, per_device_batch: int, seq_len
 def _expert_block(path: str) -> bool:
     """The path runs `ops.expert_block`'s one VJP: every path with the permute exchange (turbo, pallas; under EP
     around each rank's experts)."""
-    from turbo_moe.model.paths import ONE_DEVICE, path_row
-
     return path_row(path, ONE_DEVICE).exchange == "permute"
 
 

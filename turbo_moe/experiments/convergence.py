@@ -20,6 +20,8 @@ from typing import Iterable, Sequence
 import numpy as np
 from scipy import stats
 
+from turbo_moe.experiments import store
+
 BASELINE = "turbo"
 
 
@@ -173,8 +175,6 @@ def records_from_store(store_dir: str | Path, campaigns: Iterable[str] | None = 
     """The run records (``runs/<label>.json``) of the store's campaigns named ``prefix``..., as
     `benchmarks/convergence_gpu.py` wrote them: eval points back from the history, per-step rows and the rest from
     the record."""
-    from turbo_moe.experiments import store
-
     store_dir = Path(store_dir)
     if not store_dir.is_dir():
         return []

@@ -11,6 +11,8 @@ from typing import Any
 
 import pandas as pd
 
+from turbo_moe.model.paths import DROPLESS_PATHS
+
 GIB = 1024**3
 PHASE_NAMES = {"setup": "setup", "initialisation": "init", "restore": "restore", "compilation": "compile",
                "training": "train", "evaluation": "eval", "checkpointing": "checkpoint"}
@@ -34,8 +36,6 @@ def phases_text(phases: Mapping[str, float] | None) -> str:
 
 def run_summary(status: str, error: str | None, summary: Mapping[str, Any]) -> pd.DataFrame:
     """One-column table of a run: what a person asks first, with units; unknown values are left out."""
-    from turbo_moe.model.paths import DROPLESS_PATHS  # imported here: this module needs pandas only
-
     s = summary
     path = s.get("moe_path")
     rows: dict[str, str] = {"status": status}

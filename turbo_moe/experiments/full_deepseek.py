@@ -24,9 +24,12 @@ from typing import Any
 import pandas as pd
 
 from turbo_moe.experiments import accounting
+from turbo_moe.experiments import notebook as nb
 from turbo_moe.experiments.display import GIB
 from turbo_moe.experiments.slice_plan import PRESET, SHRUNK_MAX_STEP_TFLOP, Devices, SlicePlan, plan_slice
+from turbo_moe.model import get_config
 from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS
+from turbo_moe.train import run
 
 INTERACTIVE_RESULTS = Path("experiments") / "runs" / "full_deepseek"
 __all__ = ["PRESET", "SlicePlan", "Devices", "plan_slice", "plan_on_this_device", "run_paths", "loss_agreement"]
@@ -36,8 +39,6 @@ __all__ = ["PRESET", "SlicePlan", "Devices", "plan_slice", "plan_on_this_device"
 def check_parameters(*, mesh_data: int, mesh_expert: int, mesh_tensor: int, mesh_pipeline: int, fsdp: bool,
                      paths: Sequence[str] | None, max_step_tflop: float | None, capacity_factor: float):
     """(the exact DeepSeek-V3 config, its mesh) for the notebook's parameters; ValueError naming a bad one."""
-    from turbo_moe.model import get_config
-
     mesh = accounting.MeshShape(data=mesh_data, expert=mesh_expert, tensor=mesh_tensor, pipeline=mesh_pipeline,
                                 fsdp=fsdp)
     if paths is not None and (isinstance(paths, str) or not paths or set(paths) - set(MOE_PATHS)):
@@ -89,8 +90,6 @@ def this_device() -> Devices:
     how many, and whether they run turbo_fp8's FP8 kernels (Hopper, compute capability 9.x)."""
     import jax
 
-    from turbo_moe.experiments import notebook as nb
-
     memory, source = nb.device_memory_bytes()
     first = jax.devices()[0]
     capability = str(getattr(first, "compute_capability", ""))
@@ -139,9 +138,6 @@ def run_paths(
     of them) unless
     ``train_overrides`` set it; each run becomes a row of ``<results_dir>/<table>.csv`` plus a record. Returns one dict
     per path (status, TGS, MFU, losses, measured and predicted bytes, error). The sequence length is the plan's."""
-    from turbo_moe.experiments import notebook as nb
-    from turbo_moe.train import run
-
     rows, seq_len = [], plan.seq_len
     for path in plan.paths:
         tc = nb.train_config(model=PRESET, model_overrides=plan.overrides, moe_path=path,

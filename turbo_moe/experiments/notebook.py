@@ -1,81 +1,30 @@
 """Thin helpers the notebooks call, so that their logic is importable and tested.
 
-``02_train`` turns its parameters cell into a ``TrainConfig`` (``train_config``), runs it, saves the
+``02_train`` turns its parameters cell into a ``TrainConfig`` (``train_config``, from ``params``), runs it, saves the
 ``RunResult`` record where the sweep collects it (``save_record``) and plots it (``plot_run``).
 """
 
 from __future__ import annotations
 
 import datetime
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from turbo_moe.experiments import figures
-
-
-def train_config(
-    *,
-    model: str,
-    moe_path: str,
-    per_device_batch: int,
-    steps: int,
-    capacity_factor: float | None = None,
-    model_overrides: Mapping[str, Any] | None = None,
-    train_overrides: Mapping[str, Any] | None = None,
-    **fields: Any,
-):
-    """A validated ``TrainConfig`` from notebook parameters; raises ValueError naming the bad parameter.
-
-    ``moe_path`` and ``capacity_factor`` (None keeps the preset's) go into the model overrides;
-    ``fields`` are TrainConfig fields (dataset, seq_len, seed, ...); ``train_overrides`` adds any other.
-    """
-    from turbo_moe.train import TrainConfig
-
-    if moe_path == "auto":
-        moe_path = fastest_dropless_path()
-    if isinstance(per_device_batch, bool) or not isinstance(per_device_batch, int) or per_device_batch <= 0:
-        raise ValueError(f"parameter per_device_batch: must be a positive int, got {per_device_batch!r}")
-    if not isinstance(model_overrides or {}, Mapping):
-        raise ValueError(f"parameter model_overrides: must be a dict, got {type(model_overrides).__name__}")
-    from turbo_moe.experiments import params
-
-    capacity_factor, train_overrides = params.check_train_parameters(
-        capacity_factor=capacity_factor, train_overrides=train_overrides, explicit=fields)
-    overrides = {**(model_overrides or {}), "moe_path": moe_path}
-    if capacity_factor is not None and not (isinstance(capacity_factor, float) and math.isnan(capacity_factor)):
-        overrides["capacity_factor"] = float(capacity_factor)
-    try:
-        return TrainConfig.from_dict({"model": model, "model_overrides": overrides,
-                                      "per_device_batch": per_device_batch, "steps": steps, **fields,
-                                      **dict(train_overrides or {})})
-    except ValueError as err:  # ModelConfig checks moe_path; the message names the notebook's parameter
-        field = "ModelConfig.moe_path: "
-        if not str(err).startswith(field):
-            raise
-        raise ValueError(f"parameter moe_path: {str(err)[len(field):]} (or 'auto')") from err
-
-
-def fastest_dropless_path() -> str:
-    """``moe_path="auto"``: the fastest dropless path of this device, ``turbo`` where its kernels are loaded
-    (the CPU library is always built; on a GPU, the CUDA library), else ``ragged``."""
-    import jax
-
-    from turbo_moe import ops
-
-    loaded = ops.ensure_registered()
-    return "turbo" if {"cpu": "cpu", "gpu": "CUDA"}.get(jax.default_backend()) in loaded else "ragged"
+from turbo_moe.experiments import display, figures, results
+from turbo_moe.experiments.params import train_config  # noqa: F401  (the notebooks call nb.train_config)
+from turbo_moe.experiments.runner import SweepLayout, build_row
+from turbo_moe.experiments.spec import SweepPoint, point_name
+from turbo_moe.model import count_params, flops_per_token
 
 
 def describe(tc) -> pd.DataFrame:
     """One-column table of what will run: model size, path, tokens per step, FLOPs per token."""
-    from turbo_moe.model import count_params, flops_per_token
-
     cfg = tc.model_config()
     counts = count_params(cfg)
     seq = tc.resolved_seq_len
@@ -109,8 +58,6 @@ def save_record(result, result_json: str | Path | None, output_dir: str | Path, 
 
 def summary_table(result) -> pd.DataFrame:
     """The run's status and key figures as a human table (GiB, fixed decimals; unknown values left out)."""
-    from turbo_moe.experiments import display
-
     return display.run_summary(result.status, result.error, result.summary)
 
 
@@ -157,10 +104,6 @@ def record_in_table(result, *, results_dir: str | Path, sweep: str, params: Mapp
                     elapsed_s: float = float("nan")) -> Path:
     """Save a run made inside a notebook like a sweep point: ``<results_dir>/<sweep>/<point>.json`` plus
     a row in ``<results_dir>/<sweep>.csv`` (so the report picks it up)."""
-    from turbo_moe.experiments import results
-    from turbo_moe.experiments.runner import SweepLayout, build_row
-    from turbo_moe.experiments.spec import SweepPoint, point_name
-
     layout = SweepLayout(results_dir=Path(results_dir), runs_dir=Path(results_dir), sweep=sweep)
     point = SweepPoint(point_name(params), dict(params), dict(params))
     path = result.save(layout.record(point))
@@ -171,8 +114,6 @@ def record_in_table(result, *, results_dir: str | Path, sweep: str, params: Mapp
 
 def device_memory_bytes() -> tuple[float, str]:
     """Memory of the first device and where the number comes from (host memory on CPU)."""
-    import jax
-
     stats = jax.devices()[0].memory_stats() or {}
     if stats.get("bytes_limit"):
         return float(stats["bytes_limit"]), f"{jax.devices()[0].device_kind} bytes_limit"

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
+from turbo_moe.ops import grouped_gemm, permute, unpermute
+
 ROUTINGS = ("uniform", "skewed", "empty_groups")
 DTYPES = ("float32", "bfloat16", "float16")
 # Max |ours - ragged_dot| / max|ragged_dot| allowed per dtype (both accumulate in f32; outputs round).
@@ -76,14 +78,10 @@ def make_problem(
 
 
 def _impls() -> dict[str, Callable]:
-    from turbo_moe.ops import grouped_gemm
-
     return {"turbo grouped_gemm": grouped_gemm, "jax.lax.ragged_dot": jax.lax.ragged_dot}
 
 
 def _sorted_inputs(p: Problem):
-    from turbo_moe.ops import permute
-
     x_sorted, group_sizes, _ = permute(p.x, p.expert_ids, p.num_experts)  # (T*k, H), (E,)
     return x_sorted, group_sizes
 
@@ -166,8 +164,6 @@ def timing_table(p: Problem, iters: int = 10, progress: Callable[[str], None] | 
 
 def permute_round_trip(p: Problem) -> pd.DataFrame:
     """permute -> unpermute with the router weights must give back x (weights sum to 1 per token)."""
-    from turbo_moe.ops import permute, unpermute
-
     x_sorted, group_sizes, handle = permute(p.x, p.expert_ids, p.num_experts)  # (T*k, H), (E,)
     back = unpermute(x_sorted, handle, p.weights)  # (T, H)
     expected_sizes = np.bincount(np.asarray(p.expert_ids).ravel(), minlength=p.num_experts)

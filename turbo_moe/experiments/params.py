@@ -1,6 +1,7 @@
-"""Checks of ``02_train``'s parameters whose errors would otherwise not name the parameter.
+"""``02_train``'s parameters checked and turned into a ``TrainConfig`` (``train_config``, which the notebooks call
+as ``nb.train_config``), with errors that name the parameter.
 
-``check_train_parameters`` is meant to run first in ``notebook.train_config``: ``capacity_factor`` and
+``check_train_parameters`` runs first in ``train_config``: ``capacity_factor`` and
 ``train_overrides`` reach ``TrainConfig``/``ModelConfig`` indirectly, so their errors named a config
 field (``TypeError: ... unexpected keyword argument 'stpes'``), not the notebook parameter.
 ``check_point_values`` runs the notebook's own ``train_config`` call on a sweep's points before any runs.
@@ -15,6 +16,13 @@ import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from turbo_moe.data import corpus
+from turbo_moe.data.dataset import NAMED_DATASETS
+from turbo_moe.train import TrainConfig
+from turbo_moe.train.config import FIELD_NAMES, REMOVED_FIELDS
+from turbo_moe.train.config_groups import GROUPS
+from turbo_moe.validation import ConfigError
 
 # Set by their own notebook parameters (or by the sweep): a train_overrides entry may not set them too.
 OWN_PARAMETERS = ("model", "model_overrides", "moe_path", "capacity_factor", "per_device_batch", "steps")
@@ -38,10 +46,6 @@ def check_train_overrides(train_overrides: Any, explicit: Iterable[str] = ()) ->
     ``explicit``: the TrainConfig fields the notebook passes from its own parameters (seq_len, seed, ...).
     Each value is checked by TrainConfig's own validation, so a bad value is reported here too.
     """
-    from turbo_moe.train import TrainConfig
-    from turbo_moe.train.config import FIELD_NAMES, REMOVED_FIELDS
-    from turbo_moe.train.config_groups import GROUPS
-
     if train_overrides is None:
         return {}
     if not isinstance(train_overrides, Mapping):
@@ -69,6 +73,42 @@ def check_train_parameters(*, capacity_factor: Any = None, train_overrides: Any 
                            explicit: Iterable[str] = ()) -> tuple[float | None, dict[str, Any]]:
     """(capacity factor or None, train overrides): both checked, errors naming the notebook parameter."""
     return check_capacity_factor(capacity_factor), check_train_overrides(train_overrides, explicit)
+
+
+def train_config(
+    *,
+    model: str,
+    moe_path: str,
+    per_device_batch: int,
+    steps: int,
+    capacity_factor: float | None = None,
+    model_overrides: Mapping[str, Any] | None = None,
+    train_overrides: Mapping[str, Any] | None = None,
+    **fields: Any,
+):
+    """A validated ``TrainConfig`` from notebook parameters; raises ValueError naming the bad parameter.
+
+    ``moe_path`` ("auto": the device's fastest dropless path, as ModelConfig resolves it) and ``capacity_factor``
+    (None keeps the preset's) go into the model overrides;
+    ``fields`` are TrainConfig fields (dataset, seq_len, seed, ...); ``train_overrides`` adds any other.
+    """
+    if isinstance(per_device_batch, bool) or not isinstance(per_device_batch, int) or per_device_batch <= 0:
+        raise ValueError(f"parameter per_device_batch: must be a positive int, got {per_device_batch!r}")
+    if not isinstance(model_overrides or {}, Mapping):
+        raise ValueError(f"parameter model_overrides: must be a dict, got {type(model_overrides).__name__}")
+    capacity_factor, train_overrides = check_train_parameters(
+        capacity_factor=capacity_factor, train_overrides=train_overrides, explicit=fields)
+    overrides = {**(model_overrides or {}), "moe_path": moe_path}
+    if capacity_factor is not None and not (isinstance(capacity_factor, float) and math.isnan(capacity_factor)):
+        overrides["capacity_factor"] = float(capacity_factor)
+    try:
+        return TrainConfig.from_dict({"model": model, "model_overrides": overrides,
+                                      "per_device_batch": per_device_batch, "steps": steps, **fields,
+                                      **dict(train_overrides or {})})
+    except ConfigError as err:  # ModelConfig's check of moe_path: named as the notebook's parameter
+        if err.field != "moe_path":
+            raise
+        raise ValueError(f"parameter moe_path: unknown path {err.value!r}; expected {err.allowed}") from err
 
 
 # ---------------------------------------------------------------------------------------- sweep dry runs
@@ -132,8 +172,6 @@ def check_point_values(notebook: str | Path, points: Iterable[Any], *, where: st
     arguments = config_call_arguments(notebook)
     if arguments is None:
         return
-    from turbo_moe.experiments.notebook import train_config
-
     defaults = notebook_defaults(notebook)
     for point in points:
         values = {**defaults, **point.params}
@@ -149,9 +187,6 @@ def check_point_values(notebook: str | Path, points: Iterable[Any], *, where: st
 
 def check_paths(tc: Any, cwd: Path) -> None:
     """A dataset path must exist and hold corpus files, resolved from ``cwd`` as the kernel would."""
-    from turbo_moe.data import corpus
-    from turbo_moe.data.dataset import NAMED_DATASETS
-
     if tc.dataset in (*NAMED_DATASETS, "synthetic"):
         return
     path = Path(tc.dataset).expanduser()

@@ -22,6 +22,7 @@ import pandas as pd
 
 from turbo_moe import provenance
 from turbo_moe.experiments import convergence, figures, store
+from turbo_moe.model.config import get_config
 
 MIN_CURVE_STEPS = 20  # shorter runs (throughput probes) are noise on a loss plot
 # Routing phases of a run, as fractions of its logged steps: the router as at init (before the warm-up
@@ -213,8 +214,6 @@ def _histories_and_loads(frame: pd.DataFrame, chosen: list[Campaign], extras: di
 
 def _load_row_names(row: pd.Series) -> list[str] | None:
     """The expert load's row names from the run's model (its preset and overrides); None if unknown."""
-    from turbo_moe.model.config import get_config
-
     overrides = row.get("model_overrides")
     try:
         overrides = json.loads(overrides) if isinstance(overrides, str) else overrides

@@ -31,6 +31,7 @@ from turbo_moe.experiments import accounting
 from turbo_moe.experiments.display import GIB
 from turbo_moe.model import flops_per_token, get_config
 from turbo_moe.model.paths import MOE_PATHS
+from turbo_moe.train import TrainConfig
 
 PRESET = "deepseek_v3_671b"
 FULL_LAYERS, FULL_EXPERTS = 61, 256
@@ -68,8 +69,6 @@ class Devices:
     @property
     def moments_dtype(self) -> str | None:
         """The AdamW moments' dtype a run resolves on this platform (TrainConfig's "auto")."""
-        from turbo_moe.train import TrainConfig
-
         return TrainConfig(model="tiny").resolved(self.platform).moments_dtype
 
 

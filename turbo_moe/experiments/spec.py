@@ -48,6 +48,8 @@ from typing import Any
 
 import yaml
 
+from turbo_moe.experiments import params
+
 DEFAULT_KERNEL = "turbo-moe"
 # Parameters the sweep injects into every point; a spec may not set them itself.
 RESERVED_PARAMS = ("result_json", "run_name")
@@ -276,8 +278,6 @@ def spec_from_dict(
         oom_frontier=frontier,
     )
     if check_values:
-        from turbo_moe.experiments import params
-
         params.check_point_values(notebook, spec.expand(), where=where)
     return spec
 

@@ -11,8 +11,10 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+import jax
 import yaml
 
+from turbo_moe import ops
 from turbo_moe.model.router_recipes import RECIPE_FIELDS, ROUTER_RECIPE_NAMES, ROUTER_RECIPES, RouterRecipe
 from turbo_moe.model.router_recipes import recipe_named_by
 from turbo_moe.validation import Checks
@@ -20,6 +22,7 @@ from turbo_moe.validation import Checks
 CHECK = Checks("ModelConfig")
 
 MOE_PATHS = ("dense_cf", "ragged", "turbo", "pallas", "turbo_fp8")  # each has its rows in turbo_moe.model.paths.PATHS
+AUTO_PATH = "auto"  # a moe_path's name for the fastest dropless path of the device (`resolve_moe_path`)
 FP8_BLOCK = 128  # turbo_fp8: its GEMMs scale FP8 in 128-wide tiles, so d_model and moe_ffn_dim are multiples
 EP_EXCHANGES = ("deepep", "ragged_all_to_all")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
@@ -149,6 +152,8 @@ class ModelConfig:
     router_recipe: str = "deepseek_v3"
 
     def __post_init__(self):
+        # "auto" becomes the path it names here, so that the config (and every record of it) says what ran
+        object.__setattr__(self, "moe_path", resolve_moe_path(self.moe_path))
         _validate(self)
 
     # ----- derived sizes -----
@@ -336,6 +341,21 @@ def _coerce(name: str, value: Any, type_name: Any) -> Any:
     return value
 
 
+def resolve_moe_path(name: Any) -> Any:
+    """`name`, with "auto" replaced by the fastest dropless path of this device: ``turbo`` where its kernels are
+    loaded (the CPU library is always built; on a GPU, the CUDA library), else ``ragged``. Other names unchanged."""
+    if name != AUTO_PATH:
+        return name
+    return "turbo" if {"cpu": "cpu", "gpu": "CUDA"}.get(jax.default_backend()) in ops.ensure_registered() else "ragged"
+
+
+def check_moe_path(name: Any) -> None:
+    """The one check of a MoE path's name (ModelConfig's field, the path table's direct callers): a ConfigError
+    for field "moe_path" naming the paths allowed."""
+    allowed = f"one of {MOE_PATHS} or {AUTO_PATH!r}"
+    CHECK.require(name in MOE_PATHS, "moe_path", name, allowed, f"unknown MoE path {name!r}; expected {allowed}")
+
+
 def _validate(c: ModelConfig) -> None:
     for name in ("vocab_size", "d_model", "n_layers", "moe_ffn_dim", "n_experts", "top_k", "n_groups",
                  "topk_groups", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "max_seq_len"):
@@ -357,8 +377,7 @@ def _validate(c: ModelConfig) -> None:
     CHECK.require(c.top_k <= selectable, "top_k", c.top_k, f"<= the experts in the selected groups ({selectable})",
                   f"top_k={c.top_k} > experts in the {c.topk_groups} selected groups ({selectable})")
     CHECK.require(c.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", c.qk_rope_head_dim, "even (RoPE rotates pairs)")
-    CHECK.require(c.moe_path in MOE_PATHS, "moe_path", c.moe_path, f"one of {MOE_PATHS}",
-                  f"unknown path {c.moe_path!r}; expected one of {MOE_PATHS}")
+    check_moe_path(c.moe_path)
     CHECK.choice("dtype", c.dtype, COMPUTE_DTYPES)
     CHECK.require(c.moe_path != "pallas" or c.dtype in ("bfloat16", "float16"), "dtype", c.dtype,
                   "bfloat16 or float16 with moe_path='pallas'",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from turbo_moe.model import ep_exchange as ep
 from turbo_moe.model import exchanges
-from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS
+from turbo_moe.model.config import EP_EXCHANGES, MOE_PATHS, check_moe_path, resolve_moe_path
 from turbo_moe.model.exchanges import Stage, expert_capacity  # noqa: F401  (expert_capacity: for accounting)
 from turbo_moe.model.experts import ExpertStats, ExpertWeights, routed_load
 from turbo_moe.model.router import Routing
@@ -75,11 +75,12 @@ if {row.gemm for row in PATHS.values()} - set(GEMM_SETS):
 
 
 def path_row(moe_path: str, ep_exchange: str = ONE_DEVICE) -> PathRow:
-    """The table's row for (moe_path, ep_exchange). A ModelConfig's names are checked when it is built; a name
-    the table lacks, from a direct caller, is a ValueError naming the argument."""
+    """The table's row for (moe_path, ep_exchange); "auto" names the device's fastest dropless path, as in a
+    ModelConfig. A path name the table lacks is ModelConfig's ConfigError (`check_moe_path`); an unknown exchange, a
+    ValueError naming the argument."""
+    moe_path = resolve_moe_path(moe_path)
+    check_moe_path(moe_path)
     row = PATHS.get((moe_path, ep_exchange))
-    if row is None and moe_path not in MOE_PATHS:
-        raise ValueError(f"moe_path: unknown MoE path {moe_path!r}; expected one of {MOE_PATHS}")
     if row is None:
         raise ValueError(f"ep_exchange: got {ep_exchange!r}; expected one of {EP_EXCHANGES}")
     return row

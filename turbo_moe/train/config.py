@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import jax
 
 from turbo_moe.model import ModelConfig, get_config
-from turbo_moe.model.config import MAXTEXT_ALIASES, PRESET_NAMES, record_router_fields
+from turbo_moe.model.config import MAXTEXT_ALIASES, PRESET_NAMES, record_router_fields, resolve_moe_path
 from turbo_moe.model.config import REMOVED_FIELDS as MODEL_REMOVED_FIELDS
 from turbo_moe.train.config_groups import (FLAT_FIELDS, FLAT_NAMES, GROUPS, MASTER_WEIGHTS, MOMENTS_DTYPES,
                                            OPTIMIZER_STATE_MEMORIES, CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, require,
@@ -85,6 +85,8 @@ class TrainConfig:
         require(isinstance(overrides, Mapping), "model_overrides",
                 f"must be a mapping, got {type(overrides).__name__}")
         flat, overrides = _fold_older_names(flat, overrides)
+        if "moe_path" in overrides:  # "auto" recorded as the path it names on this device, as ModelConfig holds it
+            overrides = {**overrides, "moe_path": resolve_moe_path(overrides["moe_path"])}
         given = {"optimizer": optimizer, "data": data, "parallel": parallel, "checkpoint": checkpoint}
         per_group: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
         for name, value in flat.items():
