@@ -126,7 +126,7 @@ class ModelConfig:
     # choice: the GPU presets take bfloat16 (docs/performance.md).
     logits_dtype: str = "float32"
     router_bias_rate: float = 1e-3
-    moe_path: str = "turbo"
+    moe_path: str = "turbo"  # one of MOE_PATHS, or "auto": resolved on construction (`resolve_moe_path`)
     # dense_cf: slots per expert (cf x its fair share); <= 0 computes every expert densely.
     capacity_factor: float = 1.25
     # A dropless path (turbo, ragged, pallas) drops exactly the copies dense_cf at capacity_factor drops, at its own
