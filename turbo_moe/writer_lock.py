@@ -6,6 +6,7 @@ behind (the file stays, emptied of meaning). Standard library only: training imp
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -13,6 +14,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -71,3 +73,24 @@ def _read_holder(path: Path) -> str:
         return "a process that has not said who it is yet"
     return (f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')} "
             f"({info.get('command') or 'unknown command'})")
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | Path, *, timeout_s: float, busy_message: str,
+                busy: type[Exception] = TimeoutError) -> Iterator[None]:
+    """Exclusive ``flock`` on the folder itself (no lock file to leave behind or commit); waits up to ``timeout_s``,
+    then raises ``busy(busy_message)``. For short read-modify-write sections of one file in ``folder``."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise busy(busy_message) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

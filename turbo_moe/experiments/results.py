@@ -29,14 +29,12 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
-import fcntl
 import io
 import json
 import math
 import os
 import secrets
 import sys
-import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -47,6 +45,7 @@ import pandas as pd
 from turbo_moe import provenance
 # Statuses a point can end with ("error" and "skipped" points are retried on re-run; FINAL ones are not).
 from turbo_moe.status import FINAL_STATUSES, STATUSES  # noqa: F401
+from turbo_moe.writer_lock import folder_lock
 
 # Columns that lead every table, in this order; parameters follow, then summary and provenance fields.
 LEAD_COLUMNS = ("sweep", "point", "point_key", "status", "error")
@@ -136,24 +135,10 @@ def write_atomic(path: str | Path, write) -> None:
         raise
 
 
-@contextlib.contextmanager
-def _folder_lock(folder: Path, timeout_s: float = 120.0) -> Iterator[None]:
+def _folder_lock(folder: Path, timeout_s: float = 120.0):
     """Exclusive ``flock`` on the folder itself (no lock file to leave behind); waits up to ``timeout_s``."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process has been writing a results table in {folder} for "
-                                       f"over {timeout_s:.0f} s; try again") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
+    return folder_lock(folder, timeout_s=timeout_s, busy_message=f"another process has been writing a results table "
+                       f"in {folder} for over {timeout_s:.0f} s; try again")
 
 
 def _ordered_columns(columns: list[str]) -> list[str]:

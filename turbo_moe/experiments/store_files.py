@@ -9,16 +9,16 @@ whose every file matches its manifest.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import secrets
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from turbo_moe.writer_lock import folder_lock
 
 MANIFEST = "SHA256SUMS"  # one line per file: "<sha256>  <path relative to the store>"
 
@@ -44,21 +44,9 @@ def sha256_file(path: Path) -> str:
 def store_lock(store: Path, timeout_s: float = 120.0) -> Iterator[None]:
     """Exclusive ``flock`` on the store folder itself (no lock file to leave behind or commit)."""
     store.mkdir(parents=True, exist_ok=True)
-    fd = os.open(store, os.O_RDONLY)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise StoreError(f"results store {store}: another process has been writing it for over "
-                                     f"{timeout_s:.0f} s; try again") from None
-                time.sleep(0.05)
+    with folder_lock(store, timeout_s=timeout_s, busy=StoreError, busy_message=f"results store {store}: another "
+                     f"process has been writing it for over {timeout_s:.0f} s; try again"):
         yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def read_manifest(store: str | Path) -> dict[str, set[str]] | None:
