@@ -76,3 +76,22 @@ def index_as_int32(x, bound: int) -> jax.Array:
         inside = (v >= 0) & (v < bound)  # compared in v's own dtype: no wrap
         return xp.where(inside, xp.where(inside, v, 0).astype(np.int32), -1).astype(np.int32)
     return _narrow(x, fix)
+
+
+def expert_parallel_inputs(x, expert_ids, weights, num_experts, axis_name: str) -> tuple[int, int, int, int]:
+    """The checks every expert-parallel dispatch makes of x (T, H), expert_ids (T, k), weights (T, k), num_experts
+    and the mesh axis: returns (T, k, num_experts, P), P the axis size (num_experts must divide over it)."""
+    check_rank("x", x, 2, "(T, H)")
+    check_rank("expert_ids", expert_ids, 2, "(T, k)")
+    check_rank("weights", weights, 2, "(T, k)")
+    check_integer("expert_ids", expert_ids)
+    float_dtype("x", x.dtype)
+    T, k = expert_ids.shape
+    if x.shape[0] != T or weights.shape != (T, k):
+        raise ValueError(f"x (T, H), expert_ids (T, k) and weights (T, k) disagree: {x.shape}, {expert_ids.shape}, "
+                         f"{weights.shape}")
+    num_experts = static_int("num_experts", num_experts)
+    P = jax.lax.axis_size(axis_name)
+    if num_experts % P:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the size {P} of mesh axis {axis_name!r}")
+    return T, k, num_experts, P

@@ -97,21 +97,9 @@ def fused_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, 
       recv_w float32 (P*C, k): each received packet's combine weights (fused_combine's), 0 where no copy.
       handle: FusedHandle for fused_combine (overflow, lost_rows: the counts to check).
     """
-    _checks.check_rank("x", x, 2, "(T, H)")
-    _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
-    _checks.check_rank("weights", weights, 2, "(T, k)")
-    _checks.check_integer("expert_ids", expert_ids)
-    _checks.float_dtype("x", x.dtype)
+    T, k, num_experts, P = _checks.expert_parallel_inputs(x, expert_ids, weights, num_experts, axis_name)
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         raise TypeError(f"weights must be a float array (T, k), got dtype {weights.dtype}")
-    T, k = expert_ids.shape
-    if x.shape[0] != T or weights.shape != (T, k):
-        raise ValueError(f"x (T, H), expert_ids (T, k) and weights (T, k) disagree: {x.shape}, {expert_ids.shape}, "
-                         f"{weights.shape}")
-    num_experts = _checks.static_int("num_experts", num_experts)
-    P = jax.lax.axis_size(axis_name)
-    if num_experts % P:
-        raise ValueError(f"num_experts={num_experts} must be divisible by the size {P} of mesh axis {axis_name!r}")
     C = T if capacity is None else _checks.static_int("capacity", capacity, maximum=T)
     worst = worst_case_rows(P, C, k)
     if worst > _checks.INT32_MAX:  # rows travel as int32

@@ -98,19 +98,7 @@ def moe_dispatch(x, expert_ids, weights, *, num_experts: int, axis_name: str, ca
       recv_x (P*C, H), recv_ids int32 (P*C, k) local expert ids (-1: none / empty slot),
       recv_w float32 (P*C, k), handle (DispatchHandle) for moe_combine.
     """
-    _checks.check_rank("x", x, 2, "(T, H)")
-    _checks.check_rank("expert_ids", expert_ids, 2, "(T, k)")
-    _checks.check_rank("weights", weights, 2, "(T, k)")
-    _checks.check_integer("expert_ids", expert_ids)
-    _checks.float_dtype("x", x.dtype)
-    T, k = expert_ids.shape
-    if x.shape[0] != T or weights.shape != (T, k):
-        raise ValueError(f"x (T, H), expert_ids (T, k) and weights (T, k) disagree: {x.shape}, "
-                         f"{expert_ids.shape}, {weights.shape}")
-    num_experts = _checks.static_int("num_experts", num_experts)
-    P = jax.lax.axis_size(axis_name)
-    if num_experts % P:
-        raise ValueError(f"num_experts={num_experts} must be divisible by the size {P} of mesh axis {axis_name!r}")
+    T, k, num_experts, P = _checks.expert_parallel_inputs(x, expert_ids, weights, num_experts, axis_name)
     if capacity is not None:
         _checks.static_int("capacity", capacity)
     C = T if capacity is None else int(capacity)
