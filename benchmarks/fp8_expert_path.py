@@ -16,12 +16,14 @@ each forward ("fwd") and forward + backward ("fwd+bwd", the cotangent given; gra
   (the output gradient): "jnp" (XLA's gather, reduction and transpose) against "kernel" (ops.quantize_group_columns),
   and how many FP8 codes the two give differently on the GPU (XLA's GPU quantiser may differ by one code at ties)
   the whole expert block (permute -> gate/up -> SwiGLU -> down -> unpermute, fwd+bwd), `ops.expert_block` with the
-  GEMM sets "turbo" (bf16, fused SwiGLU kernels), "fp8" and "fp8" without its permute_forward (rows quantised by XLA);
-  and the block in a 2-layer jax.lax.scan (no remat; the forward and backward loops are separate computations, as in
-  training), "turbo" and "fp8".
+  GEMM sets "turbo" (bf16, fused SwiGLU kernels), "fp8" (weight gradients by the per-shape rule) and "fp8" with them
+  forced to FP8 / bf16 ("fp8_wgrad_fp8" / "fp8_wgrad_bf16"); "fp8_prepared*": the same on `ops.fp8_weights` made
+  beforehand (not timed: once per optimizer step in training); and the block in a 2-layer jax.lax.scan (no remat; the
+  forward and backward loops are separate computations, as in training), "turbo", "fp8" (weights quantised in every
+  layer's forward and backward) and "fp8_prepared" (all layers' FP8 weights made once before the scan, timed).
 TFLOP/s count 2*M*K*N per GEMM (3 GEMMs for fwd+bwd; the block: 6*M*D*F forward). Shapes: DeepSeek-V3 G=32 (T=8192,
-top-8, K=7168, N=2048; block D=7168, F=2048) and `reduced` (T=16384, top-6, G=64, K=1280, N=1024; block D=1280,
-F=512); balanced routing (equal group sizes, tokens' experts shuffled). Writes <out>/fp8_expert_path_<device>.csv and
+top-8, K=7168, N=2048; block D=7168, F=2048), `reduced` (T=16384, top-6, G=64, K=1280, N=1024; block D=1280,
+F=512) and Qwen3-30B-A3B at expert parallelism 2 (T=8192, top-8, G=64, D=2048, F=768); balanced routing (equal group sizes, tokens' experts shuffled). Writes <out>/fp8_expert_path_<device>.csv and
 .json (rows + provenance), rewritten after each unit; a failed unit is a row with its error.
 
     PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/fp8_expert_path.py --out DIR
@@ -42,7 +44,8 @@ from _records import write_table_and_record
 from grouped_gemm import EventTimer, routing_sizes
 
 from turbo_moe import ops
-from turbo_moe.shapes import DEEPSEEK_V3, REDUCED
+from turbo_moe.shapes import DEEPSEEK_V3, QWEN3_30B_A3B, REDUCED
+from turbo_moe.ops.fp8_scaling import fp8_weights
 from turbo_moe.ops.grouped_gemm_fp8 import (
     quantize_blocks,
     quantize_group_columns_xla,
@@ -75,7 +78,9 @@ class Case:
 CASES = [Case("dsv3_G32", 8192, DEEPSEEK_V3.top_k, DEEPSEEK_V3.d_model, DEEPSEEK_V3.moe_ffn_dim,
               DEEPSEEK_V3.local_experts(8), DEEPSEEK_V3.moe_ffn_dim),  # expert parallelism 8, gate and up apart
          Case("reduced_G64", 16384, REDUCED.top_k, REDUCED.d_model, 2 * REDUCED.moe_ffn_dim, REDUCED.n_experts,
-              REDUCED.moe_ffn_dim)]  # fused gate_up
+              REDUCED.moe_ffn_dim),  # fused gate_up
+         Case("qwen3_G64", 8192, QWEN3_30B_A3B.top_k, QWEN3_30B_A3B.d_model, 2 * QWEN3_30B_A3B.moe_ffn_dim,
+              QWEN3_30B_A3B.local_experts(2), QWEN3_30B_A3B.moe_ffn_dim)]  # expert parallelism 2, fused gate_up
 
 
 # ---- the FP8 op before the fusion (its VJP rules as they were), for the side-by-side row ---------------------------
@@ -159,12 +164,32 @@ def block_fwd_bwd(gemms):
     return run
 
 
-def block_scan_fwd_bwd(gemms):
+def block_prepared_fwd_bwd(gemms):
+    """The block on `fp8_weights` made beforehand (once per optimizer step in training, outside the timing); the
+    gradients are the weights' own (the Fp8Weights' master leaves)."""
+    def run(x, ids, combine_w, w8_gate_up, w8_down, dy):
+        def f(a, c, wg, wd):
+            return ops.expert_block(a, ids, c, w8_gate_up._replace(master=wg), w8_down._replace(master=wd),
+                                    gemms=gemms)[0]
+        out, vjp = jax.vjp(f, x, combine_w, w8_gate_up.master, w8_down.master)
+        return (out,) + vjp(dy)
+    return run
+
+
+def with_weight_grad(weight_grad: str):
+    """The fp8 set with its weight gradients forced to one product ("fp8" or "bf16") instead of the per-shape rule."""
+    return dataclasses.replace(ops.GEMM_SETS["fp8"], forward=lambda r, w, gs, zero_tail=True: ops.grouped_gemm_fp8(
+        r, w, gs, weight_grad=weight_grad))
+
+
+def block_scan_fwd_bwd(gemms, prepared: bool = False):
     """The block in a jax.lax.scan over stacked weights (L, G, ...): y of one layer is the next layer's tokens."""
     def run(x, ids, combine_w, w_gate_up, w_down, dy):
         def f(a, c, wg, wd):
             def layer(tokens, w):
                 return ops.expert_block(tokens, ids, c, w[0], w[1], gemms=gemms)[0], None
+            if prepared:  # all layers' FP8 blocks made once, before the scan, as a training step would
+                wg, wd = fp8_weights(wg), fp8_weights(wd)
             return jax.lax.scan(layer, a, (wg, wd))[0]
         out, vjp = jax.vjp(f, x, combine_w, w_gate_up, w_down)
         return (out,) + vjp(dy)
@@ -195,6 +220,18 @@ def run_case(timer, case: Case, args, rows, table):
     base = dict(case=case.name, T=case.T, k=case.k, M=case.M, K=case.K, N=case.N, G=case.G, routing="balanced")
     reps = (args.warmup, args.reps)
     gemm = 2.0 * case.M * case.K * case.N
+    if "permute_gemm" in args.units:
+        permute_gemm_units(timer, case, args, rows, table, (x, ids, w, dy), base, reps, gemm, keys[0])
+    del w, dy
+    if "expert_block" in args.units:
+        block_units(timer, case, args, rows, table, x, ids, base, reps, keys)
+    done = [r for r in rows if r.get("case") == case.name]
+    print(f"[{case.name}] " + "  ".join(f"{r['unit']}/{r['impl']}/{r['op']}={r.get('ms', r.get('same', r['status']))}"
+                                        for r in done), flush=True)
+
+
+def permute_gemm_units(timer, case: Case, args, rows, table, inputs, base, reps, gemm, key):
+    x, ids, w, dy = inputs
     rows.append(measure(timer, lambda a, i: _permute_call(a, i, case.G)[0], (x, ids), 0,
                         base | dict(unit="permute_gemm", impl="permute", op="fwd"), reps))
     rows.append(measure(timer, lambda a, i: permute_fp8_call(a, i, case.G)[:2], (x, ids), 0,
@@ -211,32 +248,39 @@ def run_case(timer, case: Case, args, rows, table):
     except Exception as e:
         rows.append(base | dict(unit="permute_gemm", impl="fp8_fused", op="fwd_equals_fp8_op",
                                 status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-    quantize_group_columns_units(timer, case, rows, base, reps, keys[0])
+    quantize_group_columns_units(timer, case, rows, base, reps, key)
     write(rows, table, args)
-    del w, dy
+
+
+def block_units(timer, case: Case, args, rows, table, x, ids, base, reps, keys):
     # the whole expert block: D = K, gate/up (G, D, 2F), down (G, F, D)
     w_gate_up = jax.random.normal(keys[3], (case.G, case.K, 2 * case.F), jnp.bfloat16) / float(np.sqrt(case.K))
     w_down = jax.random.normal(keys[4], (case.G, case.F, case.K), jnp.bfloat16) / float(np.sqrt(case.F))
     combine_w = jax.nn.softmax(jax.random.normal(keys[5], (case.T, case.k)), axis=-1)
     dy = jnp.ones((case.T, case.K), jnp.bfloat16)
     block_flops = 3 * 6.0 * case.M * case.K * case.F
-    sets = {"turbo": "turbo", "fp8": "fp8",
-            "fp8_unfused": dataclasses.replace(ops.GEMM_SETS["fp8"], permute_forward=None)}
+    sets = {"turbo": "turbo", "fp8": "fp8", "fp8_wgrad_fp8": with_weight_grad("fp8"),
+            "fp8_wgrad_bf16": with_weight_grad("bf16")}
     for impl, gemms in sets.items():
         rows.append(measure(timer, block_fwd_bwd(gemms), (x, ids, combine_w, w_gate_up, w_down, dy), block_flops,
                             base | dict(unit="expert_block", impl=impl, op="fwd+bwd", F=case.F), reps))
         write(rows, table, args)
+    prepared = (x, ids, combine_w, jax.jit(fp8_weights)(w_gate_up), jax.jit(fp8_weights)(w_down), dy)
+    for impl, gemms in (("fp8_prepared", "fp8"), ("fp8_prepared_wgrad_bf16", with_weight_grad("bf16")),
+                        ("fp8_prepared_wgrad_fp8", with_weight_grad("fp8"))):
+        rows.append(measure(timer, block_prepared_fwd_bwd(gemms), prepared, block_flops,
+                            base | dict(unit="expert_block", impl=impl, op="fwd+bwd", F=case.F), reps))
+        write(rows, table, args)
+    del prepared
     layers = 2
     stacked = (jnp.stack([w_gate_up] * layers), jnp.stack([w_down] * layers))
     del w_gate_up, w_down
-    for impl, gemms in (("turbo", "turbo"), ("fp8", "fp8")):
-        rows.append(measure(timer, block_scan_fwd_bwd(gemms), (x, ids, combine_w, *stacked, dy), layers * block_flops,
+    for impl, gemms, prepared in (("turbo", "turbo", False), ("fp8", "fp8", False), ("fp8_prepared", "fp8", True)):
+        rows.append(measure(timer, block_scan_fwd_bwd(gemms, prepared), (x, ids, combine_w, *stacked, dy),
+                            layers * block_flops,
                             base | dict(unit="expert_block_scan2", impl=impl, op="fwd+bwd", F=case.F), reps))
         write(rows, table, args)
     del stacked
-    done = [r for r in rows if r.get("case") == case.name]
-    print(f"[{case.name}] " + "  ".join(f"{r['unit']}/{r['impl']}/{r['op']}={r.get('ms', r.get('same', r['status']))}"
-                                        for r in done), flush=True)
 
 
 def quantize_group_columns_units(timer, case: Case, rows, base, reps, key):
@@ -292,6 +336,8 @@ def main():
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results")
     ap.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated: " +
                     ", ".join(c.name for c in CASES))
+    ap.add_argument("--units", default="permute_gemm,expert_block", help="comma-separated: permute_gemm (with the "
+                    "quantisers), expert_block (with the 2-layer scan)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()

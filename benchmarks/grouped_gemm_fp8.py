@@ -7,6 +7,12 @@ the median of --reps calls; benchmarks/grouped_gemm.py's EventTimer):
   fp8/fwd, fp8/dgrad, fp8/wgrad                     the FP8 kernels alone, on operands quantised beforehand;
   fp8_op/fwd, fp8_op/fwd+bwd                        ops.grouped_gemm_fp8 as a user calls it: quantisation included
                                                     (activations 1x128, weights 128x128, gradients 1x128 / 128x1);
+  fp8_prepared/fwd, fp8_prepared/fwd+bwd(wgrad=...) the op on `ops.fp8_weights(w)` (weights quantised once per
+                                                    optimizer step, outside the timing), activation quantisation
+                                                    included; the weight gradient in FP8 and in bf16;
+  quant/rows_x, quant/rows_dy, quant/weights, quant/cols_x, quant/cols_dy
+                                                    the quantisation passes alone (1x128 activations and output
+                                                    gradient, both weight layouts, the 128x1 group-padded columns);
 and, for balanced routing, the relative Frobenius error of the bf16 and FP8 results (forward, data and weight
 gradients) against float32 grouped GEMMs of the same bf16 inputs (G=256: on the first 32 groups). TFLOP/s count
 2*M*K*N per GEMM (3 GEMMs for fwd+bwd). Writes <out>/grouped_gemm_fp8_<device>.csv and .json (rows +
@@ -30,7 +36,8 @@ from _records import write_table_and_record
 from grouped_gemm import EventTimer, Shape, routing_sizes
 
 from turbo_moe import ops
-from turbo_moe.shapes import DEEPSEEK_V3, REDUCED
+from turbo_moe.shapes import DEEPSEEK_V3, QWEN3_30B_A3B, REDUCED
+from turbo_moe.ops.fp8_scaling import fp8_weights
 from turbo_moe.ops.grouped_gemm_fp8 import (
     quantize_blocks,
     quantize_group_columns,
@@ -42,7 +49,23 @@ from turbo_moe.ops.grouped_gemm_fp8 import (
 REPO = Path(__file__).resolve().parents[1]
 
 
+def issue_shapes() -> list[Shape]:
+    """The shapes FP8 is judged at: DeepSeek-V3's gate/up and down with 4096 tokens on 32 local experts, Qwen3-30B-A3B's
+    gate/up with 8192 tokens on all 128 experts, a 4096-wide model with 1408-wide experts on 64, and `reduced`'s two
+    GEMMs at batch 8 x 2048."""
+    v3, qw, red = DEEPSEEK_V3, QWEN3_30B_A3B, REDUCED
+    m_red = 8 * 2048 * red.top_k
+    return [Shape("dsv3_gate_up_G32_M32768", 32768, v3.d_model, 2 * v3.moe_ffn_dim, 32),
+            Shape("dsv3_down_G32_M32768", 32768, v3.moe_ffn_dim, v3.d_model, 32),
+            Shape("qwen3_gate_up_G128_M65536", 65536, qw.d_model, 2 * qw.moe_ffn_dim, qw.n_experts),
+            Shape("d4096_f1408_gate_up_G64_M32768", 32768, 4096, 2 * 1408, 64),
+            Shape(f"reduced_gate_up_G{red.n_experts}_M{m_red}", m_red, red.d_model, 2 * red.moe_ffn_dim, red.n_experts),
+            Shape(f"reduced_down_G{red.n_experts}_M{m_red}", m_red, red.moe_ffn_dim, red.d_model, red.n_experts)]
+
+
 def shapes(which: str, quick: bool) -> list[Shape]:
+    if which == "issue":
+        return issue_shapes()
     # DeepSeek-V3: 8192 tokens x top-8 routed rows over 32 local experts (EP=8) or all 256.
     v3, red, m = DEEPSEEK_V3, REDUCED, 8192 * DEEPSEEK_V3.top_k
     dsv3 = {g: [Shape(f"dsv3_gate_up_G{g}_M{m}", m, v3.d_model, v3.moe_ffn_dim, g),
@@ -77,6 +100,27 @@ def fp8_op_fns():
     return {"fwd": lambda x, w, dy, gs: ops.grouped_gemm_fp8(x, w, gs), "fwd+bwd": fwd_bwd}
 
 
+def fp8_prepared_fns():
+    """The op on weights quantised beforehand (`w` here is `fp8_weights(w)`), the weight gradient both ways."""
+    def fwd_bwd(weight_grad):
+        def run(x, w8, dy, gs):
+            out, vjp = jax.vjp(lambda a, b: ops.grouped_gemm_fp8(a, b, gs, weight_grad=weight_grad), x, w8)
+            d_x, d_w8 = vjp(dy)
+            return out, d_x, d_w8.master
+        return run
+    return {"fwd": lambda x, w8, dy, gs: ops.grouped_gemm_fp8(x, w8, gs),
+            "fwd+bwd(wgrad=fp8)": fwd_bwd("fp8"), "fwd+bwd(wgrad=bf16)": fwd_bwd("bf16")}
+
+
+def quant_fns():
+    """The quantisation passes alone, as the op runs them."""
+    return {"rows_x": lambda x, w, dy, gs: quantize_rows(x),
+            "rows_dy": lambda x, w, dy, gs: quantize_rows(dy),
+            "weights": lambda x, w, dy, gs: fp8_weights(w)[1:],
+            "cols_x": lambda x, w, dy, gs: quantize_group_columns(x, gs),
+            "cols_dy": lambda x, w, dy, gs: quantize_group_columns(dy, gs)}
+
+
 def fp8_kernel_cases(x, w, dy, gs):
     """The FP8 kernels alone: {op: (fn, quantised operands)}; the quantisation runs once, outside the timing."""
     m = x.shape[0]
@@ -95,7 +139,7 @@ def fp8_kernel_cases(x, w, dy, gs):
 def measure(timer, fn, inputs, shape, gemms, args, row):
     try:
         ms, temp = timer.time_ms(fn, inputs, args.warmup, args.reps)
-        return row | dict(ms=round(ms, 4), tflops=round(gemms * shape.flops / ms / 1e9, 1),
+        return row | dict(ms=round(ms, 4), tflops=round(gemms * shape.flops / ms / 1e9, 1) if gemms else None,
                           extra_mib=round(temp, 1), status="ok")
     except Exception as e:  # recorded, never fatal: the other cases still run
         return row | dict(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -145,7 +189,7 @@ def run(timer, args, rows, table):
         w = jnp.tile(w, (shape.G // chunk, 1, 1)) if shape.G > chunk else w
         dy = jax.random.normal(k3, (shape.M, shape.N), jnp.bfloat16)
         base = dict(shape=shape.name, M=shape.M, K=shape.K, N=shape.N, G=shape.G)
-        for routing in ("balanced", "skewed"):
+        for routing in args.routings.split(","):
             gs = jnp.asarray(routing_sizes(routing, shape.M, shape.G))
             inputs = (x, w, dy, gs)
             for op, fn in bf16_fns().items():
@@ -164,6 +208,14 @@ def run(timer, args, rows, table):
             for op, fn in fp8_op_fns().items():
                 rows.append(measure(timer, fn, inputs, shape, 3 if op == "fwd+bwd" else 1, args,
                                     base | dict(routing=routing, impl="fp8_op", op=op)))
+            prepared = (x, jax.jit(fp8_weights)(w), dy, gs)
+            for op, fn in fp8_prepared_fns().items():
+                rows.append(measure(timer, fn, prepared, shape, 1 if op == "fwd" else 3, args,
+                                    base | dict(routing=routing, impl="fp8_prepared", op=op)))
+            del prepared
+            for op, fn in quant_fns().items():
+                rows.append(measure(timer, fn, inputs, shape, 0, args, base | dict(routing=routing, impl="quant",
+                                                                                   op=op)))
             if routing == "balanced" and not args.skip_errors:
                 try:
                     rows.append(base | dict(routing=routing, impl="error_vs_f32", op="all", status="ok")
@@ -180,19 +232,26 @@ def run(timer, args, rows, table):
 
 
 def summarize(rows) -> list[str]:
-    ok = [r for r in rows if r.get("status") == "ok" and "tflops" in r]
-    def get(impl, op, s, routing):
-        key = (impl, op, s, routing)
-        return next((r["tflops"] for r in ok if (r["impl"], r["op"], r["shape"], r["routing"]) == key), None)
-    lines = ["FP8 / bf16 TFLOP/s (target >= 1.6 at DeepSeek-V3 shapes):"]
+    """bf16 time over each FP8 variant's (> 1: FP8 faster), then the quantisation passes' ms."""
+    ok = [r for r in rows if r.get("status") == "ok" and "ms" in r]
+
+    def ms(impl, op, s, routing):
+        return next((r["ms"] for r in ok if (r["impl"], r["op"], r["shape"], r["routing"]) == (impl, op, s, routing)),
+                    None)
+    variants = (("fp8", "fwd", "fwd"), ("fp8", "dgrad", "dgrad"), ("fp8", "wgrad", "wgrad"),
+                ("fp8_op", "fwd", "fwd"), ("fp8_op", "fwd+bwd", "fwd+bwd"), ("fp8_prepared", "fwd", "fwd"),
+                ("fp8_prepared", "fwd+bwd(wgrad=fp8)", "fwd+bwd"), ("fp8_prepared", "fwd+bwd(wgrad=bf16)", "fwd+bwd"))
+    lines = ["bf16 ms / FP8 ms (fp8 = kernel alone on quantised operands; fp8_op = the op, weights quantised per call;"
+             " fp8_prepared = the op on fp8_weights(w)):"]
     for s in dict.fromkeys(r["shape"] for r in ok):
-        for routing in ("balanced", "skewed"):
+        for routing in dict.fromkeys(r["routing"] for r in ok if r["shape"] == s):
             parts = []
-            for impl, op in (("fp8", "fwd"), ("fp8", "dgrad"), ("fp8", "wgrad"), ("fp8_op", "fwd"),
-                             ("fp8_op", "fwd+bwd")):
-                a, b = get(impl, op, s, routing), get("bf16", op, s, routing)
-                parts.append(f"{impl}/{op}={a / b:.2f}x" if a and b else f"{impl}/{op}=-")
-            lines.append(f"  {s:30s} {routing:8s} " + "  ".join(parts))
+            for impl, op, base in variants:
+                a, b = ms(impl, op, s, routing), ms("bf16", base, s, routing)
+                parts.append(f"{impl}/{op}={b / a:.2f}x" if a and b else f"{impl}/{op}=-")
+            quant = "  ".join(f"{op}={ms('quant', op, s, routing)}" for op in quant_fns())
+            lines.append(f"  {s:32s} {routing:8s} " + "  ".join(parts))
+            lines.append(f"  {'':32s} {'':8s} quantisation ms: {quant}")
     for r in rows:
         if r.get("impl") == "error_vs_f32" and r.get("status") == "ok":
             errs = "  ".join(f"{k[4:]}={v}" for k, v in r.items() if k.startswith("err_"))
@@ -208,7 +267,9 @@ def write(rows, table: Path, args) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results")
-    ap.add_argument("--shapes", choices=("all", "dsv3", "reduced"), default="all")
+    ap.add_argument("--shapes", choices=("all", "dsv3", "reduced", "issue"), default="all",
+                    help="issue: the six shapes FP8 is judged at (issue_shapes)")
+    ap.add_argument("--routings", default="balanced,skewed", help="comma-separated: balanced, skewed")
     ap.add_argument("--quick", action="store_true", help="three shapes only")
     ap.add_argument("--skip-errors", action="store_true", help="no float32 reference products")
     ap.add_argument("--warmup", type=int, default=3)

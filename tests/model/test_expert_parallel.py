@@ -25,6 +25,7 @@ from turbo_moe.model.experts import ExpertWeights
 from turbo_moe.model.moe_layer import moe_path_fn
 from turbo_moe.model.paths import ONE_DEVICE, PATHS
 from turbo_moe.model.router import Routing
+from turbo_moe.ops.fp8_scaling import fp8_weights
 
 B, S, D, F, E, K = 8, 4, 8, 6, 16, 3
 CF = 1.25
@@ -470,3 +471,28 @@ def test_ep_layout_reaches_moe_dispatch(layout, monkeypatch):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         jax.jit(lambda p, e, b: lm_loss(nnx.merge(graphdef, p, e), b)[0]).lower(*args)
     assert layouts == [layout] * cfg.n_router_layers  # the MoE layer and the MTP block
+
+
+@pytest.mark.parametrize("exchange", ["deepep", "ragged_all_to_all"])
+def test_turbo_fp8_on_weights_quantised_once_under_expert_parallelism(exchange):
+    """The FP8 path at EP=2 on `fp8_weights` made outside the shard_map (as the layer stack makes them, once a step):
+    the same loss, output, loads and gradients, bit for bit, as on the weights themselves (quantised at each use)."""
+    mesh = make_mesh(1, 2)
+    rng = np.random.default_rng(7)
+    d = f = 128
+    x = jnp.asarray(rng.normal(size=(B, S, d)), jnp.float32)
+    scores = jnp.asarray(rng.random((B, S, E)), jnp.float32)
+    routing = Routing(jax.lax.top_k(scores, K)[1].astype(jnp.int32), jnp.asarray(rng.random((B, S, K)), jnp.float32),
+                      scores)
+    experts = ExpertWeights(jnp.asarray(rng.normal(size=(E, d, 2 * f)) / np.sqrt(d), jnp.float32),
+                            jnp.asarray(rng.normal(size=(E, f, d)) / np.sqrt(f), jnp.float32))
+    path = ep_moe_path("turbo_fp8", mesh=mesh, capacity_factor=CF, ep_exchange=exchange)
+
+    def on_fp8_weights(x, routing, experts):
+        return path(x, routing, ExpertWeights(fp8_weights(experts.w_gate_up), fp8_weights(experts.w_down)))
+
+    got = loss_and_grads(on_fp8_weights, x, routing, experts)
+    want = loss_and_grads(path, x, routing, experts)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=f"turbo_fp8/{exchange}")
+    assert float(jnp.abs(got[3][2].w_down).max()) > 0

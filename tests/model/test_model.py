@@ -17,6 +17,7 @@ from turbo_moe.data import PackedSequences, SyntheticSequences, unigram_log_prio
 from turbo_moe.model import DeepSeekModel, RouterBias, get_config, lm_loss, update_router_bias
 from turbo_moe.model.chunked_loss import chunked_cross_entropy
 from turbo_moe.model import stack
+from turbo_moe.ops.fp8_scaling import Fp8Weights
 from turbo_moe.model.model import cross_entropy
 
 
@@ -437,3 +438,36 @@ def test_policy_does_not_run_the_routing_again(monkeypatch):
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="remat_policy"):
         micro_config(remat_policy="dots_experts")
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_experts_attention"])
+def test_fp8_experts_quantised_once_change_no_bit(remat, monkeypatch):
+    """turbo_fp8 quantises every layer's expert weights once before the scan (`quantize_stacked_experts`): the loss,
+    the loads and every gradient are those of quantising at each use (the same blocks; the gradient reaches the
+    weights), under remat too."""
+    cfg = _config(moe_path="turbo_fp8", d_model=128, moe_ffn_dim=128, remat_policy=remat)
+    once_loss, once_metrics, once_grads = _loss_and_grads(cfg)
+    monkeypatch.setattr(stack, "quantize_stacked_experts", lambda blocks, state: state)
+    loss, metrics, grads = _loss_and_grads(cfg)
+    np.testing.assert_array_equal(once_loss, loss)
+    np.testing.assert_array_equal(once_metrics["expert_load"], metrics["expert_load"])
+    assert len(grads) == len(once_grads)
+    for (name, g), (once_name, c) in zip(grads, once_grads):
+        assert name == once_name and c[...].dtype == g[...].dtype
+        np.testing.assert_array_equal(c[...], g[...], err_msg=str(name))
+    assert any("w_gate_up" in str(name) and float(jnp.abs(g[...]).max()) > 0 for name, g in once_grads)
+
+
+def test_only_the_routed_experts_are_quantised_for_all_layers():
+    """`quantize_stacked_experts` turns exactly the routed experts' stacked weights into Fp8Weights of every layer."""
+    cfg = _config(moe_path="turbo_fp8", d_model=128, moe_ffn_dim=128)
+    model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    _, state = nnx.split(model.moe_layers.blocks)
+    quantised = stack.quantize_stacked_experts(model.moe_layers.blocks, state)
+    leaves = {path: var.get_value() for path, var in nnx.to_flat_state(quantised)}
+    w8 = leaves[("ffn", "experts", "w_gate_up")]
+    assert isinstance(w8, Fp8Weights)
+    n_layers = w8.master.shape[0]
+    assert w8.q_nk.shape == (n_layers, cfg.n_experts, 2 * cfg.moe_ffn_dim, cfg.d_model)
+    assert w8.q_kn.dtype == jnp.float8_e4m3fn and w8.scale.shape == (n_layers, cfg.n_experts, 1, 2)
+    assert not isinstance(leaves[("attn", "wo", "kernel")], Fp8Weights)

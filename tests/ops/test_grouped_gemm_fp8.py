@@ -184,7 +184,7 @@ def test_gradients_exact_emulation_and_error_bound(case, fmt):
     d_out = np.random.default_rng().standard_normal((x.shape[0], w.shape[2])).astype(np.float32)
 
     def loss(a, b):
-        out = grouped_gemm_fp8(a, b, jnp.asarray(sizes), grad_dtype=jnp.dtype(FP8[fmt]))
+        out = grouped_gemm_fp8(a, b, jnp.asarray(sizes), grad_dtype=jnp.dtype(FP8[fmt]), weight_grad="fp8")
         return jnp.sum(out * d_out)
 
     dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
@@ -228,7 +228,8 @@ def test_quantized_rows_forward_bit_identical_and_weight_gradient(case):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jax.jit(grouped_gemm_fp8)(x, w, gs),
                                                                           np.float32))
     d_out = np.random.default_rng().standard_normal(out.shape).astype(np.float32)
-    dw = jax.jit(jax.grad(lambda b: jnp.sum(grouped_gemm_fp8_quantized(q, s, b, gs).astype(jnp.float32) * d_out)))(w)
+    dw = jax.jit(jax.grad(lambda b: jnp.sum(grouped_gemm_fp8_quantized(q, s, b, gs, weight_grad="fp8").astype(
+        jnp.float32) * d_out)))(w)
     assert dw.dtype == jnp.bfloat16 and dw.shape == w.shape
     # exact emulation: the dequantised FP8 rows quantised again per 128x1 group tile (the cached-FP8 recipe)
     x_deq = np_dequant_rows(np.asarray(q).astype(np.float32), np.asarray(s))

@@ -117,7 +117,7 @@ def test_inside_jit_with_traced_sizes_and_vjp_of_fp8_gemm():
     rhs = jnp.asarray(rng.standard_normal((g, k, n)) * 0.05, jnp.bfloat16)
     sizes = jnp.asarray([100, 0, 170], jnp.int32)
     d_out = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
-    _, vjp = jax.vjp(lambda w: grouped_gemm_fp8(lhs, w, sizes, impl="emulated"), rhs)
+    _, vjp = jax.vjp(lambda w: grouped_gemm_fp8(lhs, w, sizes, weight_grad="fp8", impl="emulated"), rhs)
     (d_rhs,) = jax.jit(vjp)(d_out)
     lq, ls = quantize_group_columns_xla(lhs, sizes)
     dq, ds = quantize_group_columns_xla(d_out, sizes)

@@ -37,7 +37,7 @@ def _varying_like(w: ExpertWeights, axes: tuple[str, ...]) -> ExpertWeights:
 
     They are replicated over the non-expert axes; this cast's transpose sums their gradients over
     those axes. Doing it here also gives the FFI ops' custom_vjps operands of one varying type."""
-    return ExpertWeights(*(make_varying(a, frozenset(axes)) for a in w))
+    return jax.tree.map(lambda a: make_varying(a, frozenset(axes)), w)  # every leaf (Fp8Weights have four)
 
 
 def ep_moe_path(path: str, *, mesh=None, expert_axis: str = EXPERT_AXIS, capacity_factor: float = 1.25,

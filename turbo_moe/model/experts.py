@@ -20,6 +20,7 @@ from turbo_moe.model.sharding import EXPERT_AXIS
 
 
 class ExpertWeights(NamedTuple):
+    # Each an array or, on the FP8 path, `ops.fp8_weights` of it (quantised once per step for all layers).
     w_gate_up: jax.Array  # (E, D, 2F): gate and up projections fused along the output dim
     w_down: jax.Array  # (E, F, D)
 
@@ -62,4 +63,6 @@ class RoutedExperts(nnx.Module):
         self.w_down = nnx.Param(w_down, logical_axes=axes)  # (E, F, D)
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w_gate_up[...], self.w_down[...])
+        # get_value, not [...]: a layer stack may have replaced the values by `ops.fp8_weights` pytrees
+        # (`stack.cast_stacked_weights`), which cannot be indexed
+        return ExpertWeights(self.w_gate_up.get_value(), self.w_down.get_value())

@@ -21,7 +21,9 @@ from turbo_moe.model.experts import RoutedExperts
 from turbo_moe.model.layers import ATTENTION_SAVE_NAME, MLAttention, RMSNorm, SwiGLU
 from turbo_moe.model.moe_layer import LayerStats, MoELayer
 from turbo_moe.model.router import ROUTER_SAVE_NAME
+from turbo_moe.model.paths import path_row
 from turbo_moe.ops.expert_block import EXPERT_SAVE_NAMES
+from turbo_moe.ops.fp8_scaling import fp8_weights
 from turbo_moe.ops.permute import ROW_INDEX_NAME
 from turbo_moe.model.sharding import LAYER_AXIS, with_leading_axis
 
@@ -117,6 +119,8 @@ class BlockStack(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
         # Cast once for all layers, not per layer inside the scan: less slicing traffic, the same values.
         state = cast_stacked_weights(self.blocks, state, jnp.dtype(self.cfg.dtype))
+        if self.is_moe and path_row(self.cfg.moe_path).gemm == "fp8":
+            state = quantize_stacked_experts(self.blocks, state)
         run = block_fn(self.cfg, graphdef)
 
         def body(carry, layer_state):
@@ -153,6 +157,18 @@ def cast_stacked_weights(blocks: nnx.Module, state, dtype):
     the float32 one. Rounding commutes with slicing, so values and gradients are unchanged."""
     cast = cast_at_use_paths(blocks, dtype)
     flat = [(path, var.replace(var[...].astype(dtype)) if path in cast and isinstance(var, nnx.Param) else var)
+            for path, var in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
+
+
+def quantize_stacked_experts(blocks: nnx.Module, state):
+    """`state` with the routed experts' weights replaced by `ops.fp8_weights` of them, all layers in one pass before
+    the scan: the FP8 path's forward and backward (and a remat's recomputation) of every layer then read the blocks
+    made here instead of quantising each weight at each use (once a step instead of two to three times a layer). The
+    values and gradients are those of quantising at each use: the same blocks, the gradient to the weight."""
+    experts = {path for path, node in nnx.iter_graph(blocks) if isinstance(node, RoutedExperts)}
+    weights = {(*path, name) for path in experts for name in ("w_gate_up", "w_down")}
+    flat = [(path, var.replace(fp8_weights(var.get_value())) if path in weights else var)
             for path, var in nnx.to_flat_state(state)]
     return nnx.from_flat_state(flat)
 

@@ -25,8 +25,9 @@ def float_dtype(name: str, dtype) -> jnp.dtype:
 
 
 def check_rank(name: str, x, rank: int, layout: str) -> None:
-    if jnp.ndim(x) != rank:
-        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(jnp.shape(x))}")
+    shape = tuple(x.shape) if hasattr(x, "shape") else tuple(jnp.shape(x))  # an array, or an array-like pytree
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {shape}")
 
 
 def check_integer(name: str, x) -> None:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from turbo_moe.ops import _checks
+from turbo_moe.ops.fp8_scaling import Fp8Weights
 from turbo_moe.ops.gemm_sets import GemmSet, gemm_set
 from turbo_moe.ops.grouped_gemm_swiglu import swiglu_grad
 from turbo_moe.ops.permute import ROW_INDEX_NAME, _permute_call, permute_rows_call
@@ -83,6 +84,10 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 def _check_weights(w_gate_up, w_down, width: int, width_name: str, gemms: GemmSet) -> None:
     """w_gate_up (E, D, 2F) and w_down (E, F, D) of one float dtype, D = `width` (the rows' last dim), D and F
     multiples of the set's `width_multiple`."""
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if isinstance(w, Fp8Weights) and gemms.name != "fp8":
+            raise TypeError(f"{name} is Fp8Weights (ops.fp8_weights), which only gemms='fp8' reads; got "
+                            f"gemms={gemms.name!r}: pass the weight itself")
     _checks.check_rank("w_gate_up", w_gate_up, 3, "(E, D, 2F)")
     _checks.check_rank("w_down", w_down, 3, "(E, F, D)")
     _checks.float_dtype("w_gate_up", w_gate_up.dtype)
@@ -140,7 +145,8 @@ def expert_block(tokens: jax.Array, expert_ids: jax.Array, combine_w: jax.Array,
       tokens: (T, D) bfloat16, float16 or float32.
       expert_ids: (T, k) integer, the experts of each token's k copies; an id outside [0, E) drops that copy.
       combine_w: (T, k) float, each copy's combine weight (computed in float32).
-      w_gate_up: (E, D, 2F) = [gate | up], w_down: (E, F, D), in tokens' dtype.
+      w_gate_up: (E, D, 2F) = [gate | up], w_down: (E, F, D), in tokens' dtype; with gemms="fp8" either may be
+        `ops.fp8_weights(w)`, its FP8 blocks made once for every call of an optimizer step.
       gemms: a `GemmSet` or its name in `GEMM_SETS`: "turbo" (our FFI kernels, fused SwiGLU), "ragged_dot"
         (`jax.lax.ragged_dot`), "pallas" (Pallas Mosaic-GPU, Hopper only) or "fp8" (`grouped_gemm_fp8`, D and F
         multiples of 128); not "einsum", the batched einsum of the capacity path's slots (`expert_ffn` takes it). A
@@ -261,7 +267,15 @@ def _block_bwd(n_experts, gemms, residuals, cotangents):
     with jax.named_scope("permute"):
         d_tokens = unpermute_call(d_rows, row_index, jnp.ones(row_index.shape, jnp.float32))
     return (match_varying(d_tokens, tokens), None, match_varying(d_combine, combine_w),
-            match_varying(d_w_gate_up, w_gate_up), match_varying(d_w_down, w_down))
+            _weight_cotangent(d_w_gate_up, w_gate_up), _weight_cotangent(d_w_down, w_down))
+
+
+def _weight_cotangent(d_w, w):
+    """A weight's cotangent typed like it; for Fp8Weights only the master leaf gets one (the FP8 copies are made
+    from it, behind a stop_gradient)."""
+    if isinstance(w, Fp8Weights):
+        return Fp8Weights(match_varying(d_w.master, w.master), None, None, None)
+    return match_varying(d_w, w)
 
 
 _block.defvjp(_block_fwd, _block_bwd)

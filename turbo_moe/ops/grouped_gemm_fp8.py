@@ -11,7 +11,9 @@ operands quantised to FP8 E4M3 on the way in:
 The backward pass follows the report too: the data gradient quantises the output gradient per 1x128 tile (along N,
 its contraction) against the same 128x128 weight blocks; the weight gradient quantises the activations and the output
 gradient per 128x1 tile (128 rows of one column, the rows being its contraction), each group's rows padded to a
-multiple of 128 so that no tile spans two groups. E5M2 may be chosen for the gradients (`grad_dtype`).
+multiple of 128 so that no tile spans two groups. E5M2 may be chosen for the gradients (`grad_dtype`). The weight
+gradient runs in FP8 only where that measured faster than the bf16 grouped GEMM on the unquantised operands
+(`weight_grad`, `weight_grad_in_fp8`).
 
 Implementations (`impl`): "auto" runs the Hopper kernel (kernels/cuda/grouped_gemm_fp8.cu) on a CUDA device and the
 emulated path elsewhere; "emulated" always runs the emulated path. The emulated path quantises exactly as the kernel's
@@ -24,8 +26,9 @@ its jnp reference `quantize_group_columns_xla`). E5M2 gradients run the emulated
 CUDA kernel takes E4M3 only).
 
 `grouped_gemm_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes)` takes rows already quantised per 1x128 tile (by
-`permute_fp8`, in the permute's row copy). Both ops quantise the weights once per call: the forward's blocks, saved,
-are the data gradient's too.
+`permute_fp8`, in the permute's row copy). Both ops quantise a bf16 rhs once per call (the forward's blocks, saved,
+are the data gradient's too), or take the blocks made once, `ops.fp8_weights(w)`, for every call of an optimizer
+step.
 
 Differences from `grouped_gemm`: K and N must be multiples of 128; no vmap, `group_offset` or `transpose_rhs`; the
 CUDA kernel writes bfloat16, so a float32 result on the GPU carries bfloat16 rounding (the emulated path's float32
@@ -47,69 +50,31 @@ from turbo_moe.ops.grouped_gemm import (
     grouped_gemm,
     grouped_gemm_weight_grad,
 )
+from turbo_moe.ops.fp8_scaling import (  # noqa: F401  (re-exported: the references tests and benchmarks import)
+    BLOCK,
+    E4M3,
+    E5M2,
+    F32,
+    FP8_DTYPES,
+    Fp8Weights,
+    dequantize_blocks,
+    dequantize_rows,
+    fp8_dtype,
+    quantize_blocks,
+    quantize_rows,
+    quantize_tiles,
+)
 from turbo_moe.ops.quantize_group_columns import padded_rows, quantize_group_columns  # noqa: F401  (re-exported)
 
-BLOCK = 128  # the scale tile along the contraction, and the weights' block edge
-E4M3 = jnp.dtype(jnp.float8_e4m3fn)
-E5M2 = jnp.dtype(jnp.float8_e5m2)
-FP8_DTYPES = (E4M3, E5M2)
-F32 = jnp.dtype(jnp.float32)
 IMPLS = ("auto", "emulated")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Quantisers: x ~= q * scale, |q| <= the format's largest finite value (amax of the tile maps onto it)
-
-def _fp8_dtype(name: str, dtype) -> jnp.dtype:
-    dtype = jnp.dtype(dtype)
-    if dtype not in FP8_DTYPES:
-        raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    return dtype
-
-
-def _scale_of(amax, fmax: float):
-    """amax * (1/fmax) in float32; 1 for an all-zero tile. The quantisers then multiply by 1/scale: both spelled as
-    the products XLA rewrites a division by a broadcast into, so the jitted and eager results and numpy agree bit for
-    bit (a division rounds some ties of the FP8 cast differently)."""
-    return jnp.where(amax > 0, amax * jnp.float32(1.0 / fmax), jnp.float32(1.0)).astype(F32)
-
-
-def _quantize_tiles(t, axis: int, dtype):
-    """t float32 with 128-wide tiles along `axis` -> (q, scale with `axis` reduced)."""
-    fmax = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(t), axis=axis)
-    scale = _scale_of(amax, fmax)
-    q = jnp.clip(t * jnp.expand_dims(1.0 / scale, axis), -fmax, fmax).astype(dtype)
-    return q, scale
-
-
-def quantize_rows(x, dtype=E4M3):
-    """Activations per 1x128 tile: x (M, K), K % 128 == 0 -> q (M, K) fp8, scale (M, K/128) float32."""
-    dtype = _fp8_dtype("dtype", dtype)
-    m, k = x.shape
-    q, scale = _quantize_tiles(x.astype(F32).reshape(m, k // BLOCK, BLOCK), 2, dtype)
-    return q.reshape(m, k), scale
-
-
-def quantize_blocks(w, dtype=E4M3, *, transpose: bool = False):
-    """Weights per 128x128 block: w (G, K, N), K, N % 128 == 0 -> q (G, K, N) fp8 ((G, N, K) with `transpose`, the
-    forward kernel's K-contiguous layout; the values are the same), scale (G, K/128, N/128) float32."""
-    dtype = _fp8_dtype("dtype", dtype)
-    g, k, n = w.shape
-    t = w.astype(F32).reshape(g, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
-    fmax = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(t), axis=(2, 4))  # (G, K/128, N/128)
-    scale = _scale_of(amax, fmax)
-    q = jnp.clip(t * (1.0 / scale)[:, :, None, :, None], -fmax, fmax).astype(dtype).reshape(g, k, n)
-    return (jnp.swapaxes(q, 1, 2) if transpose else q), scale
-
+WEIGHT_GRADS = ("auto", "fp8", "bf16")
 
 def quantize_group_columns_xla(x, group_sizes, dtype=E4M3):
     """`quantize_group_columns` in jnp, the reference its kernels match bit for bit (tests, benchmarks): x (M, C),
     int32 group_sizes (G >= 1,) -> q_t (C, P) fp8, scale (P/128, C) float32. Group g's rows start at column
     sum_{h<g} ceil(size_h / 128) * 128 of q_t (sizes clamped as the forward clamps them); padding and rows past the
     groups are zero. XLA runs it as a gather into a float32 (P, C) copy, a reduction and a transpose."""
-    dtype = _fp8_dtype("dtype", dtype)
+    dtype = fp8_dtype("dtype", dtype)
     m, c = x.shape
     n_groups = group_sizes.shape[0]
     p = padded_rows(m, n_groups)
@@ -122,17 +87,8 @@ def quantize_group_columns_xla(x, group_sizes, dtype=E4M3):
     local = slots - (padded_ends - padded)[group]
     src = jnp.cumsum(sizes)[group] - sizes[group] + local
     x_pad = jnp.where((local < sizes[group])[:, None], x[jnp.where(local < sizes[group], src, 0)].astype(F32), 0.0)
-    q, scale = _quantize_tiles(x_pad.reshape(p // BLOCK, BLOCK, c), 1, dtype)
+    q, scale = quantize_tiles(x_pad.reshape(p // BLOCK, BLOCK, c), 1, dtype)
     return q.reshape(p, c).T, scale
-
-
-def dequantize_rows(q, scale):
-    return q.astype(F32) * jnp.repeat(scale, BLOCK, axis=-1)
-
-
-def dequantize_blocks(q, scale):
-    """q (G, K, N), scale (G, K/128, N/128) -> (G, K, N) float32."""
-    return q.astype(F32) * jnp.repeat(jnp.repeat(scale, BLOCK, axis=1), BLOCK, axis=2)
 
 
 def _materialized(*fp8_arrays):
@@ -192,13 +148,54 @@ def weight_grad_product(lhs_t, lhs_t_scale, d_out_t, d_out_t_scale, group_sizes,
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Which product the weight gradient runs
+
+# The weight gradient in FP8 pays only where its kernel's gain over the bf16 kernel outweighs the two 128x1 passes it
+# needs (`quantize_group_columns` of lhs and of the output gradient, 3 bytes an element each): measured on an H200
+# (docs/notes/fp8.md, "Each GEMM in the precision that measures faster"), FP8 won only with both widths large and
+# many rows per group. Below these, bf16: the op's residual lhs and the output gradient go to `grouped_gemm`'s
+# bf16 weight gradient as they are (no quantisation pass at all).
+FP8_WEIGHT_GRAD_MIN_WIDTH = 4096  # min(K, N)
+FP8_WEIGHT_GRAD_MIN_ROWS_PER_GROUP = 1024  # M / G
+
+
+def weight_grad_in_fp8(m: int, k: int, n: int, n_groups: int, weight_grad: str = "auto") -> bool:
+    """Whether the weight gradient of an (M, K) x (G, K, N) FP8 GEMM runs in FP8: `weight_grad` "fp8" / "bf16", or
+    "auto": FP8 where it measured faster (min(K, N) >= FP8_WEIGHT_GRAD_MIN_WIDTH and M / G >=
+    FP8_WEIGHT_GRAD_MIN_ROWS_PER_GROUP), bf16 elsewhere."""
+    if weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
+    if weight_grad != "auto":
+        return weight_grad == "fp8"
+    return min(k, n) >= FP8_WEIGHT_GRAD_MIN_WIDTH and m >= FP8_WEIGHT_GRAD_MIN_ROWS_PER_GROUP * n_groups
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The op
 
+def _check_fp8_weights(rhs: Fp8Weights) -> None:
+    """The four leaves of an Fp8Weights agree (they come from `fp8_weights`; a hand-built one is checked)."""
+    for name in Fp8Weights._fields:
+        check_array(f"rhs.{name}", getattr(rhs, name))
+    _checks.check_rank("rhs.master", rhs.master, 3, "(G, K, N)")
+    g, k, n = rhs.master.shape
+    want = {"q_nk": ((g, n, k), E4M3), "q_kn": ((g, k, n), E4M3),
+            "scale": ((g, k // BLOCK, n // BLOCK), F32)}
+    for name, (shape, dtype) in want.items():
+        leaf = getattr(rhs, name)
+        if leaf.shape != shape or leaf.dtype != dtype:
+            raise ValueError(f"rhs.{name} must be {dtype} {shape} for rhs.master {rhs.master.shape} (make rhs with "
+                             f"ops.fp8_weights), got {leaf.dtype} {leaf.shape}")
+
+
 def _check_rhs(k: int, lhs_name: str, lhs_shape, rhs, group_sizes) -> None:
-    """rhs (G, K, N) and group_sizes (G,) against the rows' K; K and N multiples of 128."""
-    for name, x in (("rhs", rhs), ("group_sizes", group_sizes)):
-        check_array(name, x)
-    _checks.check_rank("rhs", rhs, 3, "(G, K, N)")
+    """rhs (G, K, N) (an array or `Fp8Weights`) and group_sizes (G,) against the rows' K; K and N multiples of 128."""
+    if isinstance(rhs, Fp8Weights):
+        _check_fp8_weights(rhs)
+    else:
+        check_array("rhs", rhs)
+        _checks.check_rank("rhs", rhs, 3, "(G, K, N)")
+    check_array("group_sizes", group_sizes)
     _checks.check_rank("group_sizes", group_sizes, 1, "(G,)")
     _checks.check_integer("group_sizes", group_sizes)
     _checks.float_dtype("rhs", rhs.dtype)
@@ -217,21 +214,28 @@ def _check_rhs(k: int, lhs_name: str, lhs_shape, rhs, group_sizes) -> None:
                          f"got {group_sizes.shape}")
 
 
-def _check_impl(impl: str) -> None:
+def _check_options(impl: str, weight_grad: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
 
 
-def grouped_gemm_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, grad_dtype=E4M3, impl: str = "auto"):
+def grouped_gemm_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, grad_dtype=E4M3, weight_grad="auto",
+                     impl: str = "auto"):
     """(M, K) x (G, K, N) -> (M, N) in FP8 with DeepSeek-V3's scaling; differentiable in lhs and rhs (custom VJP).
 
     Args:
       lhs: (M, K) bfloat16/float16/float32 rows sorted by group; K % 128 == 0.
-      rhs: (G, K, N) bfloat16/float16/float32 weights; N % 128 == 0.
+      rhs: (G, K, N) bfloat16/float16/float32 weights, N % 128 == 0, quantised per 128x128 block at every call; or
+        `ops.fp8_weights(w)`, the same blocks made once (the result and the gradients are the same; the gradient
+        goes to w).
       group_sizes: integer (G,) rows per group, on the device (negative counts as 0, clamped to M as in grouped_gemm).
       preferred_element_type: output dtype, bfloat16/float16/float32; default the promoted input dtype.
       grad_dtype: FP8 format of the output gradient in the backward pass: float8_e4m3fn (DeepSeek-V3's choice, the
         default) or float8_e5m2.
+      weight_grad: the weight gradient's product: "fp8" (lhs and the output gradient quantised per 128x1), "bf16"
+        (the bf16 grouped GEMM on them as they are), or "auto" (`weight_grad_in_fp8`: FP8 where it measured faster).
       impl: "auto" (the Hopper kernel on CUDA, emulated elsewhere) or "emulated".
     Returns:
       (M, N); rows past sum(group_sizes) are zero. Gradients have lhs's and rhs's dtypes.
@@ -242,53 +246,74 @@ def grouped_gemm_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, grad
     _check_rhs(lhs.shape[1], "lhs (M, K)", lhs.shape, rhs, group_sizes)
     out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype) if preferred_element_type is None else _checks.float_dtype(
         "preferred_element_type", preferred_element_type)
-    grad_dtype = _fp8_dtype("grad_dtype", grad_dtype)
-    _check_impl(impl)
-    return _fp8_gemm(lhs, rhs, _checks.as_int32(group_sizes), jnp.dtype(out_dtype), grad_dtype, impl)
+    grad_dtype = fp8_dtype("grad_dtype", grad_dtype)
+    _check_options(impl, weight_grad)
+    return _fp8_gemm(lhs, rhs, _checks.as_int32(group_sizes), jnp.dtype(out_dtype), grad_dtype, weight_grad, impl)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fp8_gemm(lhs, rhs, group_sizes, out_dtype, grad_dtype, impl):
-    return _fp8_gemm_fwd(lhs, rhs, group_sizes, out_dtype, grad_dtype, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fp8_gemm(lhs, rhs, group_sizes, out_dtype, grad_dtype, weight_grad, impl):
+    return _fp8_gemm_fwd(lhs, rhs, group_sizes, out_dtype, grad_dtype, weight_grad, impl)[0]
 
 
-def _fp8_gemm_fwd(lhs, rhs, group_sizes, out_dtype, grad_dtype, impl):
+def _fp8_gemm_fwd(lhs, rhs, group_sizes, out_dtype, grad_dtype, weight_grad, impl):
     lq, ls = quantize_rows(lhs)
     out, weights = _quantized_weights_product(lq, ls, rhs, group_sizes, out_dtype, impl)
-    # Residuals: lhs (the weight gradient quantises it per 128x1; DeepSeek-V3 caches it in FP8 instead) and the
-    # quantised weights, which the data gradient reads in their (G, K, N) layout: quantised once per call.
-    return out, (lhs, weights, group_sizes, rhs[:0])
+    # Residuals: lhs (the weight gradient reads it, in bf16 or quantised per 128x1; DeepSeek-V3 caches it in FP8
+    # instead) and the weights' blocks in the data gradient's (G, K, N) layout.
+    return out, (lhs, weights, group_sizes, _empty_like(rhs))
+
+
+def _empty_like(rhs):
+    """rhs with no groups: its dtype and, for Fp8Weights, its kind, carried to the backward for free."""
+    return jax.tree.map(lambda a: a[:0], rhs)
+
+
+def _rhs_cotangent(rhs_type, d_rhs):
+    """The cotangent of rhs: d_rhs (in rhs's dtype) itself, or for Fp8Weights in its master leaf (the FP8 leaves
+    get none)."""
+    return Fp8Weights(d_rhs, None, None, None) if isinstance(rhs_type, Fp8Weights) else d_rhs
 
 
 def _quantized_weights_product(lq, ls, rhs, group_sizes, out_dtype, impl):
-    """rows (lq, ls) x rhs quantised per 128x128 block -> (out, (wq (G, K, N), ws)); the forward kernel reads the
-    blocks K-contiguous, (G, N, K): the same values transposed (a 128x128 block's scale is transpose-invariant)."""
-    wq, ws = quantize_blocks(rhs)
-    out = rows_product(lq, ls, jnp.swapaxes(wq, 1, 2), ws, group_sizes, out_dtype=out_dtype, impl=impl)
+    """rows (lq, ls) x rhs's 128x128 blocks -> (out, (wq (G, K, N), ws)). The forward kernel reads the blocks
+    K-contiguous, (G, N, K): the same values transposed (a 128x128 block's scale is transpose-invariant). A bf16 rhs
+    is quantised here; Fp8Weights bring both layouts."""
+    if isinstance(rhs, Fp8Weights):
+        wq_t, wq, ws = rhs.q_nk, rhs.q_kn, rhs.scale
+    else:
+        wq, ws = quantize_blocks(rhs)
+        wq_t = jnp.swapaxes(wq, 1, 2)
+    out = rows_product(lq, ls, wq_t, ws, group_sizes, out_dtype=out_dtype, impl=impl)
     return out, (wq, ws)
 
 
-def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, lhs_dtype):
-    """(d_lhs or None, d_rhs) from the forward's quantised weights; lhs (M, K) the rows the weight gradient
-    quantises per 128x1 tile."""
+def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, weight_grad, impl, lhs_dtype):
+    """(d_lhs or None, d_rhs) from the forward's quantised weights; lhs (M, K) the rows the weight gradient reads."""
     wq, ws = weights
-    m = lhs.shape[0]
+    m, k = lhs.shape
     d_lhs = None
     if lhs_dtype is not None:  # d_out (M, N) per 1x128 along N against the same 128x128 weight blocks, (G, K, N)
         dq, ds = quantize_rows(d_out, grad_dtype)
         d_lhs = rows_product(dq, ds, wq, jnp.swapaxes(ws, 1, 2), group_sizes, out_dtype=lhs_dtype, impl=impl)
-    # Weight gradient: lhs and d_out per 128x1 tile along the rows, in the group-padded layout (the FFI kernel on
-    # every platform, the emulated path too: its CPU handler is bit-identical to the jnp quantiser).
+    if not weight_grad_in_fp8(m, k, d_out.shape[1], wq.shape[0], weight_grad):
+        bf16 = jnp.bfloat16
+        d_rhs = grouped_gemm_weight_grad(lhs.astype(bf16), d_out.astype(bf16), group_sizes,
+                                         preferred_element_type=rhs_type.dtype)
+        return d_lhs, d_rhs
+    # FP8: lhs and d_out per 128x1 tile along the rows, in the group-padded layout (the FFI kernel on every platform,
+    # the emulated path too: its CPU handler is bit-identical to the jnp quantiser).
     lq_t, ls_t = quantize_group_columns(lhs, group_sizes)
     dq_t, ds_t = quantize_group_columns(d_out, group_sizes, grad_dtype)
     d_rhs = weight_grad_product(lq_t, ls_t, dq_t, ds_t, group_sizes, m, out_dtype=rhs_type.dtype, impl=impl)
     return d_lhs, d_rhs
 
 
-def _fp8_gemm_bwd(out_dtype, grad_dtype, impl, res, d_out):
+def _fp8_gemm_bwd(out_dtype, grad_dtype, weight_grad, impl, res, d_out):
     lhs, weights, group_sizes, rhs_type = res
-    d_lhs, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, lhs.dtype)
-    return d_lhs, d_rhs, None
+    d_lhs, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, weight_grad, impl,
+                                          lhs.dtype)
+    return d_lhs, _rhs_cotangent(rhs_type, d_rhs), None
 
 
 _fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)
@@ -298,19 +323,19 @@ _fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)
 # The op on rows quantised beforehand (by `permute_fp8`, in the permute's copy)
 
 def grouped_gemm_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes, *, preferred_element_type=None, grad_dtype=E4M3,
-                               impl: str = "auto"):
+                               weight_grad="auto", impl: str = "auto"):
     """`grouped_gemm_fp8` on rows already quantised per 1x128 tile: (lhs_q, lhs_scale) = quantize_rows(lhs) gives
     grouped_gemm_fp8(lhs, ...)'s forward bit for bit, without the pass that reads lhs to quantise it.
 
     Args:
       lhs_q: float8_e4m3fn (M, K) rows sorted by group, lhs_scale: float32 (M, K/128) (`permute_fp8`'s outputs).
-      rhs, group_sizes, grad_dtype, impl: as `grouped_gemm_fp8`.
+      rhs, group_sizes, grad_dtype, weight_grad, impl: as `grouped_gemm_fp8` (rhs an array or `Fp8Weights`).
       preferred_element_type: output dtype; default rhs's dtype.
     Returns:
-      (M, N). Differentiable in rhs (custom VJP): the weight gradient quantises the dequantised FP8 rows per 128x1
-      tile (DeepSeek-V3's cached FP8 activations; `grouped_gemm_fp8` quantises the unquantised rows instead, so the
-      two weight gradients differ by that second rounding). No gradient for the FP8 rows; a caller that needs one runs
-      the data gradient (`GemmSet.data_grad`) on its output gradient.
+      (M, N). Differentiable in rhs (custom VJP): the weight gradient reads the dequantised FP8 rows (DeepSeek-V3's
+      cached FP8 activations; `grouped_gemm_fp8` reads the unquantised rows instead, so the two weight gradients differ
+      by that rounding). No gradient for the FP8 rows; a caller that needs one runs the data gradient
+      (`GemmSet.data_grad`) on its output gradient.
     """
     check_array("lhs_q", lhs_q)
     check_array("lhs_scale", lhs_scale)
@@ -324,27 +349,28 @@ def grouped_gemm_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes, *, preferred_
                          f"{lhs_scale.dtype} {lhs_scale.shape}")
     out_dtype = rhs.dtype if preferred_element_type is None else _checks.float_dtype(
         "preferred_element_type", preferred_element_type)
-    grad_dtype = _fp8_dtype("grad_dtype", grad_dtype)
-    _check_impl(impl)
+    grad_dtype = fp8_dtype("grad_dtype", grad_dtype)
+    _check_options(impl, weight_grad)
     return _fp8_gemm_quantized(lhs_q, lhs_scale, rhs, _checks.as_int32(group_sizes), jnp.dtype(out_dtype), grad_dtype,
-                               impl)
+                               weight_grad, impl)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fp8_gemm_quantized(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, grad_dtype, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fp8_gemm_quantized(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, grad_dtype, weight_grad, impl):
     return _quantized_weights_product(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, impl)[0]
 
 
-def _fp8_gemm_quantized_fwd(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, grad_dtype, impl):
+def _fp8_gemm_quantized_fwd(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, grad_dtype, weight_grad, impl):
     out, weights = _quantized_weights_product(lhs_q, lhs_scale, rhs, group_sizes, out_dtype, impl)
-    return out, (lhs_q, lhs_scale, weights, group_sizes, rhs[:0])
+    return out, (lhs_q, lhs_scale, weights, group_sizes, _empty_like(rhs))
 
 
-def _fp8_gemm_quantized_bwd(out_dtype, grad_dtype, impl, res, d_out):
+def _fp8_gemm_quantized_bwd(out_dtype, grad_dtype, weight_grad, impl, res, d_out):
     lhs_q, lhs_scale, weights, group_sizes, rhs_type = res
     lhs = dequantize_rows(*_materialized(lhs_q, lhs_scale))  # (M, K) float32: the values the forward multiplied
-    _, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, impl, None)
-    return None, None, d_rhs, None
+    _, d_rhs = _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, weight_grad, impl,
+                                      None)
+    return None, None, _rhs_cotangent(rhs_type, d_rhs), None
 
 
 _fp8_gemm_quantized.defvjp(_fp8_gemm_quantized_fwd, _fp8_gemm_quantized_bwd)
