@@ -352,7 +352,7 @@ class Orchestrator:
 
 # ------------------------------------------------------------------------------------------------------ analysis
 def summary_text(records: list[dict]) -> str:
-    from turbo_moe.experiments import convergence as C
+    from turbo_moe.experiments.report import convergence as C
 
     lines = ["| run | regime | status | steps | last eval loss | dropped (mean) |", "|---|---|---|---|---|---|"]
     for r in records:
@@ -371,7 +371,7 @@ def analyze(out: Path, figure: Path | None, sources: list[Path] | None = None) -
     Several calls' files merge run by run; a label in two files is refused (which one holds the run is unclear)."""
     import csv
 
-    from turbo_moe.experiments import convergence as C
+    from turbo_moe.experiments.report import convergence as C
 
     records: list[dict] = []
     for source in sources or [out / RUNS_FILE]:

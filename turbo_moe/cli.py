@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 try:  # sweep/report need the [notebooks] extra (they say so when run); train/launch only the [train] extra
-    from turbo_moe.experiments.spec import DEFAULT_KERNEL
+    from turbo_moe.experiments.sweep.spec import DEFAULT_KERNEL
 except ImportError:
     DEFAULT_KERNEL = None
 
@@ -91,9 +91,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from turbo_moe.experiments.runner import (
+    from turbo_moe.experiments.sweep.runner import (
         SweepLayout, damaged_rows, default_experiments_dir, plan_sweep, run_sweep)
-    from turbo_moe.experiments.spec import load_spec
+    from turbo_moe.experiments.sweep.spec import load_spec
 
     spec = load_spec(args.spec)  # checks every point's values as the notebook would
     exp = args.experiments_dir or default_experiments_dir(spec)
@@ -122,7 +122,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from turbo_moe.experiments import report
+    from turbo_moe.experiments.report import report
 
     return report.report_command(args.experiments_dir, notebook=args.notebook, kernel=args.kernel,
                                  in_process=args.no_notebook, publish=args.publish)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     expected: tuple[type[Exception], ...] = (ValueError, OSError)
     if args.command in ("sweep", "report"):
-        from turbo_moe.experiments.lock import SweepBusy
+        from turbo_moe.experiments.sweep.lock import SweepBusy
 
         expected += (SweepBusy,)
     try:

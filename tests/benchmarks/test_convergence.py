@@ -1,4 +1,4 @@
-"""Convergence analysis (turbo_moe.experiments.convergence) on fake run records; the drop-penalty driver
+"""Convergence analysis (turbo_moe.experiments.report.convergence) on fake run records; the drop-penalty driver
 (benchmarks/convergence_gpu.py): its run plan, chunk planning and outputs without training, and (slow) the whole
 pipeline on the CPU: two worker processes, a call killed at its deadline, chunks resumed, the same curves."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from turbo_moe.experiments import convergence as C
+from turbo_moe.experiments.report import convergence as C
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "convergence_gpu.py"
 _spec = importlib.util.spec_from_file_location("convergence_gpu", _PATH)
@@ -201,7 +201,7 @@ def test_only_runs_the_named_labels(tmp_path, capsys):
     assert "turbo_seed7" in capsys.readouterr().err
 
 def test_report_draws_the_drop_penalty_from_the_store(tmp_path):
-    from turbo_moe.experiments import report
+    from turbo_moe.experiments.report import report
 
     results = tmp_path / "results"
     campaign = results / "drop_penalty_fake"

@@ -4,7 +4,8 @@ import math
 import matplotlib
 import pytest
 
-from turbo_moe.experiments import accounting, full_deepseek
+from turbo_moe.experiments import accounting
+from turbo_moe.experiments.notebooks import full_deepseek
 
 matplotlib.use("Agg")
 MESH = dict(mesh_data=32, mesh_expert=8, mesh_tensor=1, mesh_pipeline=1, fsdp=True)

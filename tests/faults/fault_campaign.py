@@ -21,8 +21,8 @@ import warnings
 from pathlib import Path
 
 
-from turbo_moe.experiments import results
-from turbo_moe.experiments.lock import lock_path
+from turbo_moe.experiments.store import results
+from turbo_moe.experiments.sweep.lock import lock_path
 
 from harness import (CASE_TIMEOUT_S, REPO, TOY_PARAMETERS, TRACEBACK, TRAIN_NOTEBOOK, Outcome, _checkpointer,  # noqa: F401
                      _save, _Sweep, can_mount_tmpfs, child, cli_run, count_rows, refused_restore, spec_file,
@@ -109,7 +109,7 @@ def damaged_records(root: Path, o: Outcome) -> str:
 
 
 def non_numeric_cell(root: Path, o: Outcome) -> str:
-    from turbo_moe.experiments import report
+    from turbo_moe.experiments.report import report
 
     sweep = _Sweep(root, n=3)
     sweep.run()

@@ -19,9 +19,10 @@ from pathlib import Path
 import nbformat
 
 from turbo_moe import cli
-from turbo_moe.experiments import results, runner
-from turbo_moe.experiments.runner import SweepLayout, run_sweep
-from turbo_moe.experiments.spec import spec_from_dict
+from turbo_moe.experiments.store import results
+from turbo_moe.experiments.sweep import runner
+from turbo_moe.experiments.sweep.runner import SweepLayout, run_sweep
+from turbo_moe.experiments.sweep.spec import spec_from_dict
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_NOTEBOOK = REPO / "notebooks" / "02_train.ipynb"

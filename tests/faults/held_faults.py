@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 
 
-from turbo_moe.experiments import results
-from turbo_moe.experiments.lock import SweepLock
-from turbo_moe.experiments.spec import spec_from_dict
+from turbo_moe.experiments.store import results
+from turbo_moe.experiments.sweep.lock import SweepLock
+from turbo_moe.experiments.sweep.spec import spec_from_dict
 
 from harness import (Outcome, _checkpointer, _save, _Sweep, child, cli_run,
                      count_rows, refused_restore, spec_file, toy_notebook)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from turbo_moe.experiments import migrate, report, results, store
+from turbo_moe.experiments.store import migrate, results, store
+from turbo_moe.experiments.report import report
 
 from harness import Outcome, cli_run, spec_file, toy_notebook
 

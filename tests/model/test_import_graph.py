@@ -107,7 +107,7 @@ def test_package_import_graph_has_no_cycle():
     graph = import_graph()
     assert {"turbo_moe.model.paths", "turbo_moe.ops.permute", "turbo_moe.train.step", "turbo_moe.cli"} <= set(graph)
     assert "turbo_moe.model.config" in graph["turbo_moe.model.paths"]
-    assert {"turbo_moe.experiments.notebook", "turbo_moe.experiments.migrate"} <= set(graph)
+    assert {"turbo_moe.experiments.notebooks.train", "turbo_moe.experiments.store.migrate"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 

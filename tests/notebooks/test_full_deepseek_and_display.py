@@ -4,17 +4,17 @@ import math
 
 import pytest
 
-from turbo_moe.experiments import display, full_deepseek, slice_plan
-from turbo_moe.experiments.display import GIB
+from turbo_moe.experiments.notebooks import display, full_deepseek, full_deepseek_slice
+from turbo_moe.experiments.notebooks.display import GIB
 
 PLAN = dict(n_layers=4, n_dense_layers=1, n_experts=None, width_divisor=None, model_overrides={}, paths=None,
             per_device_batch=2, seq_len=4096, capacity_factor=1.25)
-H200 = slice_plan.Devices(141e9, "test", "gpu", 1, fp8=True)  # "141 GB"
+H200 = full_deepseek_slice.Devices(141e9, "test", "gpu", 1, fp8=True)  # "141 GB"
 H200_LIMIT = 138.1e9  # what JAX's allocator gives a process on one H200 at XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 
 
 def _gpus(memory_bytes, count=1, fp8=True):
-    return slice_plan.Devices(memory_bytes, "test", "gpu", count, fp8)
+    return full_deepseek_slice.Devices(memory_bytes, "test", "gpu", count, fp8)
 
 
 def test_one_h200_trains_the_exact_widths_with_all_256_experts():
@@ -54,7 +54,7 @@ def test_halved_widths_only_when_asked_or_where_no_exact_slice_fits():
     with pytest.raises(ValueError, match="parameter width_divisor: must be None"):
         full_deepseek.plan_slice(**{**PLAN, "width_divisor": 3}, devices=H200)
     # A CPU: no exact-width rung fits its memory and step budget, so a labelled shrunk slice (and a shorter sequence)
-    cpu = slice_plan.Devices(21.9 * GIB, "test", "cpu", 8)
+    cpu = full_deepseek_slice.Devices(21.9 * GIB, "test", "cpu", 8)
     plan = full_deepseek.plan_slice(**PLAN, devices=cpu, max_step_tflop=full_deepseek.default_max_step_tflop("cpu"))
     assert not plan.exact and plan.shrink == 64 and plan.expert_parallel == 1 and 64 <= plan.seq_len < 4096
     assert plan.label.startswith("SHRUNK slice") and f"sequence {plan.seq_len} of 4096" in plan.label
@@ -103,7 +103,7 @@ def test_cpu_memory_panel_draws_no_prediction_beside_the_rss():
 
     matplotlib.use("Agg")
     plan = full_deepseek.plan_slice(**{**PLAN, "n_layers": 2, "per_device_batch": 1, "seq_len": 64},
-                                    devices=slice_plan.Devices(8 * GIB, "test", "cpu"), max_step_tflop=0.01)
+                                    devices=full_deepseek_slice.Devices(8 * GIB, "test", "cpu"), max_step_tflop=0.01)
     for platform, bars in (("cpu", 2), ("gpu", 4)):  # bars on the memory axes: measured (+ predicted on a GPU)
         fig = full_deepseek.plot_paths(_slice_rows(), plan, platform)
         ax_mem = fig.axes[1]

@@ -10,7 +10,7 @@ import papermill
 import pytest
 
 from nbhelpers import execute
-from turbo_moe.experiments import full_deepseek
+from turbo_moe.experiments.notebooks import full_deepseek
 
 WORDS = ("the king and queen of denmark speak to hamlet who is sad because his father died "
          "horatio sees a ghost on the wall at night and tells the prince").split()

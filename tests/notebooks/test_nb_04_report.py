@@ -11,7 +11,7 @@ FIXTURE = REPO / "tests" / "sweep" / "fixtures" / "results"
 
 
 def test_report_command_draws_figures_and_passes_nbval(tmp_path, kernel, capsys, monkeypatch):
-    from turbo_moe.experiments import report
+    from turbo_moe.experiments.report import report
 
     shutil.copytree(FIXTURE, tmp_path / "results")
     monkeypatch.chdir(tmp_path)  # not the repository root: the notebook is found from the package

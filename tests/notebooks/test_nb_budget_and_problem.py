@@ -2,7 +2,8 @@
 
 import pytest
 
-from turbo_moe.experiments import accounting, ops_check
+from turbo_moe.experiments import accounting
+from turbo_moe.experiments.notebooks import ops as ops_check
 from turbo_moe.model import count_params, get_config
 from turbo_moe.model.paths import expert_capacity
 

@@ -7,7 +7,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from turbo_moe.experiments import notebook as nb  # noqa: E402
+from turbo_moe.experiments.notebooks import train as nb  # noqa: E402
 
 BASE = dict(model="tiny", moe_path="ragged", per_device_batch=2, steps=3, warmup_steps=1, seq_len=32)
 

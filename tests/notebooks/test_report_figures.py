@@ -10,7 +10,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from turbo_moe.experiments import figures, report  # noqa: E402
+from turbo_moe.experiments.report import figures, report  # noqa: E402
 
 from nbhelpers import REPO  # noqa: E402
 

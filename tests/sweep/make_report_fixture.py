@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from turbo_moe.experiments.results import append_row
+from turbo_moe.experiments.store.results import append_row
 
 OUT = Path(__file__).parent / "fixtures" / "results"
 PROV = {"device_kind": "NVIDIA H100 80GB HBM3", "device_count": 1, "platform": "gpu",

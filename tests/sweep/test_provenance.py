@@ -10,7 +10,8 @@ import pytest
 
 from turbo_moe import provenance as P
 from turbo_moe import status
-from turbo_moe.experiments import results, runner
+from turbo_moe.experiments.store import results
+from turbo_moe.experiments.sweep import runner
 from turbo_moe.train import STATUSES as RUN_STATUSES
 from turbo_moe.train import metrics
 
@@ -65,7 +66,7 @@ def test_old_kernel_tables_load_with_schema_columns(tmp_path):
 
 def test_committed_kernel_tables_load():
     """The committed kernel benchmark records (results store), old spellings of provenance included."""
-    from turbo_moe.experiments import report
+    from turbo_moe.experiments.report import report
 
     table = report.load_report_data(REPO / "experiments" / "store", ["kernels_h100_80gb_hbm3", "kernels_h200"]).kernels
     assert set(table["campaign"]) == {"kernels_h100_80gb_hbm3", "kernels_h200"}

@@ -8,9 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from turbo_moe.experiments import migrate, migration_check, report_check, store
-from turbo_moe.experiments.results import append_row
-from turbo_moe.experiments.store import Record, StoreError
+from turbo_moe.experiments.store import migrate, migration_check, store
+from turbo_moe.experiments.report import compare
+from turbo_moe.experiments.store.results import append_row
+from turbo_moe.experiments.store.store import Record, StoreError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "results"
 PROV = {"device_kind": "cpu", "git_commit": "abc1234567", "date": "2026-11-21T20:00:00+00:00"}
@@ -110,13 +111,13 @@ def test_migration_of_a_small_tree_rebuilds_every_file(tmp_path, capsys):
 def test_figures_drawn_from_files_and_from_the_store_are_identical(tmp_path):
     results = _small_tree(tmp_path)
     migrate.ingest(results, tmp_path / "store")
-    compared = report_check.compare_report(results, tmp_path / "store", tmp_path / "figures")
+    compared = compare.compare_report(results, tmp_path / "store", tmp_path / "figures")
     assert compared and set(compared.values()) == {"same"}, compared
     assert "results.md" in compared and "loss_curves.png" in compared
 
 
 def test_superseded_campaigns_stay_in_the_store_but_out_of_the_report(tmp_path):
-    from turbo_moe.experiments import report
+    from turbo_moe.experiments.report import report
 
     migrate.ingest(FIXTURE, tmp_path / "store")
     migrate.mark_superseded(tmp_path / "store", {"paths_x_batch": ("", "old defaults")})

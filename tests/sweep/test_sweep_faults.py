@@ -13,17 +13,18 @@ import warnings
 import pytest
 
 from turbo_moe import cli
-from turbo_moe.experiments import results, runner
-from turbo_moe.experiments.lock import SweepBusy, SweepLock, lock_path
-from turbo_moe.experiments.runner import SweepLayout, classify_error, plan_sweep, run_sweep
-from turbo_moe.experiments.spec import MAX_NAME_CHARS, load_spec, spec_from_dict
+from turbo_moe.experiments.store import results
+from turbo_moe.experiments.sweep import runner
+from turbo_moe.experiments.sweep.lock import SweepBusy, SweepLock, lock_path
+from turbo_moe.experiments.sweep.runner import SweepLayout, classify_error, plan_sweep, run_sweep
+from turbo_moe.experiments.sweep.spec import MAX_NAME_CHARS, load_spec, spec_from_dict
 
 CHILD = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from turbo_moe.experiments import runner
-    from turbo_moe.experiments.lock import SweepBusy
-    from turbo_moe.experiments.spec import spec_from_dict
+    from turbo_moe.experiments.sweep import runner
+    from turbo_moe.experiments.sweep.lock import SweepBusy
+    from turbo_moe.experiments.sweep.spec import spec_from_dict
 
     notebook, root, wait_s, tag = sys.argv[1:5]
 
@@ -290,7 +291,7 @@ def test_every_cut_of_a_real_table_keeps_only_intact_rows(tmp_path):
     exactly the original rows before the cut, and the cut row (if any) is reported, never half-read."""
     from pathlib import Path
 
-    from turbo_moe.experiments import migration_check
+    from turbo_moe.experiments.store import migration_check
 
     # The committed cpu_default table, as the runner wrote it, rebuilt from the results store.
     source = tmp_path / "cpu_default.csv"

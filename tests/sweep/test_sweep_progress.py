@@ -4,9 +4,9 @@ the report command, and no Jupyter transport warning."""
 
 import json
 
-from turbo_moe.experiments import runner, sweep_output
-from turbo_moe.experiments.runner import SweepLayout, run_sweep
-from turbo_moe.experiments.spec import spec_from_dict
+from turbo_moe.experiments.sweep import output as sweep_output, runner
+from turbo_moe.experiments.sweep.runner import SweepLayout, run_sweep
+from turbo_moe.experiments.sweep.spec import spec_from_dict
 
 SLOW_CELL = ("import time\nif mode == 'slow':\n    for i in range(6):\n        print(f'step {i}/6', flush=True)\n"
              "        time.sleep(1.0)\n")

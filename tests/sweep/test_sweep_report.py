@@ -10,7 +10,7 @@ import pytest
 matplotlib.use("Agg")
 
 from turbo_moe import cli  # noqa: E402
-from turbo_moe.experiments import report  # noqa: E402
+from turbo_moe.experiments.report import report  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "results"
 EXPECTED = ["tgs_vs_batch", "peak_memory", "loss_curves", "dropped_fraction", "expert_load_over_steps",
@@ -79,13 +79,13 @@ def test_cli_report_missing_notebook_is_clear(tmp_path, capsys):
 @pytest.mark.parametrize("label_args, label", [(("dense_cf", 1.25), "dense_cf (cf=1.25)"),
                                                (("ragged", 1.25), "ragged"), (("dense_cf", None), "dense_cf")])
 def test_path_label(label_args, label):
-    from turbo_moe.experiments.figures import path_label
+    from turbo_moe.experiments.report.figures import path_label
 
     assert path_label(*label_args) == label
 
 
 def test_minimal_table_without_provenance_still_draws(tmp_path):
-    from turbo_moe.experiments.results import append_row
+    from turbo_moe.experiments.store.results import append_row
 
     for batch, status in ((1, "ok"), (2, "ok"), (4, "oom")):
         append_row(tmp_path / "results" / "mini.csv", {"sweep": "mini", "point": f"b{batch}", "status": status,
@@ -120,7 +120,7 @@ def test_seed_repeats_get_their_own_label_and_curve():
     both runs apart: labels name the seed, and the sweep still counts as a comparison sweep."""
     import pandas as pd
 
-    from turbo_moe.experiments.figures import with_path_labels
+    from turbo_moe.experiments.report.figures import with_path_labels
 
     frame = pd.DataFrame({"sweep": ["s"] * 4, "moe_path": ["turbo", "turbo", "ragged", "dense_cf"],
                           "capacity_factor": [None, None, None, 1.0], "seed": [0, 1, 0, 0],
@@ -136,7 +136,7 @@ def test_memory_bars_are_the_train_steps_need_and_markers_the_measured_peak():
     import pandas as pd
     from matplotlib.collections import PathCollection
 
-    from turbo_moe.experiments import figures
+    from turbo_moe.experiments.report import figures
 
     gib = figures.GIB
     rows = pd.DataFrame([

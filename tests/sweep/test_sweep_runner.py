@@ -6,9 +6,10 @@ import pandas as pd
 import pytest
 
 from turbo_moe import cli
-from turbo_moe.experiments import results, runner
-from turbo_moe.experiments.runner import SweepLayout, classify_error, plan_sweep, run_sweep
-from turbo_moe.experiments.spec import spec_from_dict
+from turbo_moe.experiments.store import results
+from turbo_moe.experiments.sweep import runner
+from turbo_moe.experiments.sweep.runner import SweepLayout, classify_error, plan_sweep, run_sweep
+from turbo_moe.experiments.sweep.spec import spec_from_dict
 
 
 def _spec(toy_notebook, kernel, points):

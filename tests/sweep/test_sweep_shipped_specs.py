@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from turbo_moe.experiments.spec import RESERVED_PARAMS, load_spec
+from turbo_moe.experiments.sweep.spec import RESERVED_PARAMS, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "experiments" / "sweeps").glob("*.yaml"))

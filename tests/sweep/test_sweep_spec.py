@@ -2,7 +2,7 @@
 
 import pytest
 
-from turbo_moe.experiments.spec import load_spec, point_name, spec_from_dict
+from turbo_moe.experiments.sweep.spec import load_spec, point_name, spec_from_dict
 
 
 def _spec(toy_notebook, **fields):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from turbo_moe.experiments.params import check_capacity_factor, check_train_overrides, check_train_parameters
+from turbo_moe.experiments.sweep.params import check_capacity_factor, check_train_overrides, check_train_parameters
 
 
 @pytest.mark.parametrize("value, expected", [(None, None), (math.nan, None), (2, 2.0), (1.25, 1.25)])

@@ -4,8 +4,8 @@ Part 1 (accounting of the exact config): ``check_parameters`` validates the cell
 the config and mesh, ``param_table`` / ``plot_memory_per_path`` show `turbo_moe.experiments.accounting`.
 
 Part 2: a slice of DeepSeek-V3-671B trained on the devices at hand. ``plan_on_this_device`` decides what runs
-(`turbo_moe.experiments.slice_plan`: DeepSeek-V3's exact widths, fewer layers first, then fewer experts, the experts
-split over every GPU), ``run_paths`` trains it once per MoE path from one init on one batch order, with the preset's
+(``full_deepseek_slice``: DeepSeek-V3's exact widths, fewer layers first, then fewer experts, the experts split over
+every GPU), ``run_paths`` trains it once per MoE path from one init on one batch order, with the preset's
 optimizer recipe (DeepSeek-V3's learning rate), and records each run like a sweep point; ``loss_agreement`` holds the
 paths' losses to the tolerances below; ``plot_paths`` / ``plot_losses`` draw TGS, memory and the losses.
 
@@ -24,9 +24,10 @@ from typing import Any
 import pandas as pd
 
 from turbo_moe.experiments import accounting
-from turbo_moe.experiments import notebook as nb
-from turbo_moe.experiments.display import GIB
-from turbo_moe.experiments.slice_plan import PRESET, SHRUNK_MAX_STEP_TFLOP, Devices, SlicePlan, plan_slice
+from turbo_moe.experiments.notebooks import train as nb
+from turbo_moe.experiments.notebooks.display import GIB
+from turbo_moe.experiments.notebooks.full_deepseek_slice import (PRESET, SHRUNK_MAX_STEP_TFLOP, Devices, SlicePlan,
+                                                                plan_slice)
 from turbo_moe.model import get_config
 from turbo_moe.model.paths import DROPLESS_PATHS, MOE_PATHS
 from turbo_moe.train import run

@@ -13,8 +13,9 @@ import matplotlib.image as mpimg
 import numpy as np
 import pandas as pd
 
-from turbo_moe.experiments import figures, report, results, store
-from turbo_moe.experiments.result_records import campaign_of
+from turbo_moe.experiments.report import figures, report
+from turbo_moe.experiments.store import results, store
+from turbo_moe.experiments.store.result_records import campaign_of
 
 
 def compare_figures(before: str | Path, after: str | Path) -> dict[str, str]:

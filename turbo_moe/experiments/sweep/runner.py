@@ -39,10 +39,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from turbo_moe.experiments import results, sweep_output
-from turbo_moe.experiments.kernel_check import check_kernel
-from turbo_moe.experiments.lock import SweepLock
-from turbo_moe.experiments.spec import SweepPoint, SweepSpec, params_key
+from turbo_moe.experiments.store import results
+from turbo_moe.experiments.sweep import output as sweep_output
+from turbo_moe.experiments.sweep.kernel_check import check_kernel
+from turbo_moe.experiments.sweep.lock import SweepLock
+from turbo_moe.experiments.sweep.spec import SweepPoint, SweepSpec, params_key
 from turbo_moe.provenance import collect as collect_provenance
 from turbo_moe.provenance import table_columns
 from turbo_moe.status import is_oom

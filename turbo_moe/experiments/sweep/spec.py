@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from turbo_moe.experiments import params
+from turbo_moe.experiments.sweep import params
 
 DEFAULT_KERNEL = "turbo-moe"
 # Parameters the sweep injects into every point; a spec may not set them itself.

@@ -45,7 +45,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from turbo_moe.experiments.store_files import (MANIFEST, StoreError, check_file, read_manifest, rehash,  # noqa: F401
+from turbo_moe.experiments.store.files import (MANIFEST, StoreError, check_file, read_manifest, rehash,  # noqa: F401
                                                remove, store_files, store_lock, write_parquet)
 
 DEFAULT_STORE = Path("experiments") / "store"

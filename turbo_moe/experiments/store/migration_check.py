@@ -3,7 +3,7 @@
 ``check(results_dir, store_dir)`` returns one line per mismatch (an empty list: nothing lost). Tables are
 compared as ``results.read_table`` parses them (values and dtypes); JSON records after ``flatten_step``
 (per-step detail that ``sources.stored`` says stays in git history is left out of both sides).
-``report_check`` draws the report both ways (files vs store) and compares the figures.
+``report.compare`` draws the report both ways (files vs store) and compares the figures.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import pandas as pd
 
-from turbo_moe.experiments import results, store
-from turbo_moe.experiments.result_records import json_record, load_json
+from turbo_moe.experiments.store import results, store
+from turbo_moe.experiments.store.result_records import json_record, load_json
 
 
 def rebuild_table(store_dir: str | Path, campaign: str, source: str) -> pd.DataFrame:

@@ -28,7 +28,7 @@ from typing import Any
 import pandas as pd
 
 from turbo_moe.experiments import accounting
-from turbo_moe.experiments.display import GIB
+from turbo_moe.experiments.notebooks.display import GIB
 from turbo_moe.model import flops_per_token, get_config
 from turbo_moe.model.paths import MOE_PATHS
 from turbo_moe.train import TrainConfig

@@ -35,11 +35,12 @@ import pandas as pd
 import seaborn as sns
 
 import turbo_moe
-from turbo_moe.experiments import convergence, figures, migrate, store
-from turbo_moe.experiments.kernel_check import check_kernel
-from turbo_moe.experiments.results import scan_results
-from turbo_moe.experiments.report_data import (LOCAL_SUFFIX, MIN_CURVE_STEPS, ROUTING_PHASES,  # noqa: F401
+from turbo_moe.experiments.report import convergence, figures
+from turbo_moe.experiments.report.data import (LOCAL_SUFFIX, MIN_CURVE_STEPS, ROUTING_PHASES,  # noqa: F401
                                                ReportData, comparison_sweeps, load_report_data, routing_phases)
+from turbo_moe.experiments.store import migrate, store
+from turbo_moe.experiments.store.results import scan_results
+from turbo_moe.experiments.sweep.kernel_check import check_kernel
 
 MANIFEST = "report.json"
 # The report notebook of this clone (the package is installed editable from it).
@@ -106,7 +107,7 @@ def check_parameters(store_dir: str | Path, figures_dir: str | Path,
                          f"(resolved: {store_path.resolve()})")
     if not store.campaign_names(store_path):
         raise ValueError(f"parameter store_dir: {str(store_dir)!r} holds no records (records/campaign=*/); run a "
-                         "sweep and `turbo-moe report`, or python -m turbo_moe.experiments.migrate")
+                         "sweep and `turbo-moe report`, or python -m turbo_moe.experiments.store.migrate")
     if figures_path.exists() and not figures_path.is_dir():
         raise ValueError(f"parameter figures_dir: {str(figures_dir)!r} exists and is not a folder")
     if not figures_path.parent.is_dir():
@@ -336,7 +337,7 @@ def results_page(data: ReportData, store_dir: str | Path) -> str:
         lines.append("")
     lines.append(f"{len(campaigns)} campaigns and {len(records)} records in the store in all; the others "
                  "(benchmarks and probes behind docs/performance.md and docs/notes/) are read with "
-                 "`turbo_moe.experiments.store`.")
+                 "`turbo_moe.experiments.store.store`.")
     return "\n".join(lines) + "\n"
 
 

@@ -16,10 +16,12 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from turbo_moe.experiments import display, figures, results
-from turbo_moe.experiments.params import train_config  # noqa: F401  (the notebooks call nb.train_config)
-from turbo_moe.experiments.runner import SweepLayout, build_row
-from turbo_moe.experiments.spec import SweepPoint, point_name
+from turbo_moe.experiments.notebooks import display
+from turbo_moe.experiments.report import figures
+from turbo_moe.experiments.store import results
+from turbo_moe.experiments.sweep.params import train_config  # noqa: F401  (the notebooks call nb.train_config)
+from turbo_moe.experiments.sweep.runner import SweepLayout, build_row
+from turbo_moe.experiments.sweep.spec import SweepPoint, point_name
 from turbo_moe.model import count_params, flops_per_token
 
 

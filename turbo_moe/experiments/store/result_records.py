@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from turbo_moe import provenance as prov
-from turbo_moe.experiments.store import Record
+from turbo_moe.experiments.store.store import Record
 
 PROVENANCE_KEYS = {*prov.FIELDS, *prov.LEGACY_NAMES, "jaxlib_version", "python_version", "hostname", "cpu"}
 CONFIG_KEYS = ("config", "train_config", "model_config", "args", "parameters", "argv", "model_overrides", "params",

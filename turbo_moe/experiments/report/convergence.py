@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from scipy import stats
 
-from turbo_moe.experiments import store
+from turbo_moe.experiments.store import store
 
 BASELINE = "turbo"
 

@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 
 from turbo_moe import provenance
-from turbo_moe.experiments import convergence, figures, store
+from turbo_moe.experiments.report import convergence, figures
+from turbo_moe.experiments.store import store
 from turbo_moe.model.config import get_config
 
 MIN_CURVE_STEPS = 20  # shorter runs (throughput probes) are noise on a loss plot

@@ -135,13 +135,13 @@ def check_file(path: str | Path) -> None:
     entries = read_manifest(store)
     if entries is None:
         raise StoreError(f"results store {store} has no {MANIFEST} (written before files were checksummed); "
-                         f"check its files (e.g. git status), then: python -m turbo_moe.experiments.migrate "
+                         f"check its files (e.g. git status), then: python -m turbo_moe.experiments.store.migrate "
                          f"--rehash --store {store}", f"the store has no {MANIFEST}")
     name = relative(store, path)
     known = entries.get(name)
     if known is None:
         raise StoreError(f"results store file {path}: not listed in {store / MANIFEST}, so it cannot be checked; "
-                         "write it through turbo_moe.experiments.store (or migrate --rehash)",
+                         "write it through turbo_moe.experiments.store.store (or migrate --rehash)",
                          f"{name} is not listed in {MANIFEST}")
     try:
         digest = sha256_file(path)

@@ -1,6 +1,6 @@
 """Bring result files (sweep tables, benchmark tables, JSON records, logs) into the results store.
 
-    python -m turbo_moe.experiments.migrate [--results experiments/results] [--store experiments/store]
+    python -m turbo_moe.experiments.store.migrate [--results experiments/results] [--store experiments/store]
                                            [--campaign NAME] [--all] [--check] [--rehash]
 
 It writes into the store it is given (default: the committed ``experiments/store``); ``turbo-moe report``
@@ -37,9 +37,9 @@ from typing import Any
 
 import pandas as pd
 
-from turbo_moe.experiments import migration_check, results, store
-from turbo_moe.experiments.result_records import campaign_of, is_summary, json_record, load_json, plain, split_row
-from turbo_moe.experiments.store import Record
+from turbo_moe.experiments.store import migration_check, results, store
+from turbo_moe.experiments.store.result_records import campaign_of, is_summary, json_record, load_json, plain, split_row
+from turbo_moe.experiments.store.store import Record
 
 INLINE_TEXT_BYTES = 64 * 1024
 SWEEP_LEAD = ("sweep", "point", "point_key")

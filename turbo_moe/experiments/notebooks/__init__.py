@@ -1,0 +1,1 @@
+"""The logic of the notebooks in ``notebooks/``: one module per notebook, named by its stem, and ``display``."""

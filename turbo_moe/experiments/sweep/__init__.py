@@ -1,0 +1,1 @@
+"""Sweeps: specs, the runner, parameter checks, the writer lock, progress output, the Jupyter-kernel check."""
