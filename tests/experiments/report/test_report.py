@@ -1,4 +1,4 @@
-"""The report rebuilt from the committed fixture results tree (tests/sweep/fixtures/results)."""
+"""The report rebuilt from the committed fixture results tree (tests/experiments/fixtures/results)."""
 
 import json
 import shutil
@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 from turbo_moe import cli  # noqa: E402
 from turbo_moe.experiments.report import report  # noqa: E402
 
-FIXTURE = Path(__file__).parent / "fixtures" / "results"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "results"
 EXPECTED = ["tgs_vs_batch", "peak_memory", "loss_curves", "dropped_fraction", "expert_load_over_steps",
             "synthetic_vs_real", "expert_load_cpu_loss", "kernel_tflops_h100"]
 

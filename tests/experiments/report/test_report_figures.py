@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -12,9 +13,7 @@ matplotlib.use("Agg")
 
 from turbo_moe.experiments.report import figures, report  # noqa: E402
 
-from nbhelpers import REPO  # noqa: E402
-
-FIXTURE = REPO / "tests" / "sweep" / "fixtures" / "results"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "results"
 
 
 def test_parameters_are_checked_before_drawing(tmp_path):

@@ -15,7 +15,7 @@ from turbo_moe.experiments.sweep import runner
 from turbo_moe.train import STATUSES as RUN_STATUSES
 from turbo_moe.train import metrics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_collect_fills_every_field():

@@ -1,6 +1,6 @@
-"""Regenerate tests/sweep/fixtures/results/: a small, made-up but well-formed results tree.
+"""Regenerate tests/experiments/fixtures/results/: a small, made-up but well-formed results tree.
 
-Run: PYTHONPATH=. python tests/sweep/make_report_fixture.py
+Run: PYTHONPATH=. python tests/experiments/make_report_fixture.py
 It holds a batch sweep with an OOM point, a path-comparison sweep with records (history, expert load),
 a synthetic-vs-real sweep and a kernel table, so every report figure has something to draw.
 Numbers are synthetic; only their layout matters to the tests.

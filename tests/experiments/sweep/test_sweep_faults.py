@@ -295,7 +295,7 @@ def test_every_cut_of_a_real_table_keeps_only_intact_rows(tmp_path):
 
     # The committed cpu_default table, as the runner wrote it, rebuilt from the results store.
     source = tmp_path / "cpu_default.csv"
-    store_dir = Path(__file__).parents[2] / "experiments" / "store"
+    store_dir = Path(__file__).parents[3] / "experiments" / "store"
     migration_check.rebuild_table(store_dir, "cpu_default", "cpu_default.csv").to_csv(source, index=False)
     text = source.read_text()
     full, _ = results.scan_table(source)

@@ -12,7 +12,7 @@ import pytest
 
 from turbo_moe.ops import _ffi
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 # What [train] and [notebooks] add on top of the core (flax itself needs optax and orbax).
 EXTRA_ONLY = ("tokenizers", "pyarrow", "tqdm", "psutil", "pandas", "matplotlib", "seaborn", "papermill",
               "jupyter_client", "jupyterlab", "nbval")

@@ -13,7 +13,7 @@ from turbo_moe.experiments.report import compare
 from turbo_moe.experiments.store.results import append_row
 from turbo_moe.experiments.store.store import Record, StoreError
 
-FIXTURE = Path(__file__).parent / "fixtures" / "results"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "results"
 PROV = {"device_kind": "cpu", "git_commit": "abc1234567", "date": "2026-11-21T20:00:00+00:00"}
 
 

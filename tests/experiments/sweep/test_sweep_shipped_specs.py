@@ -7,7 +7,7 @@ import pytest
 
 from turbo_moe.experiments.sweep.spec import RESERVED_PARAMS, load_spec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SPECS = sorted((REPO / "experiments" / "sweeps").glob("*.yaml"))
 
 
