@@ -1,32 +1,15 @@
 // CPU FFI handler turbo_moe_permute_fp8 (contract: kernels/contracts/permute_fp8.h): permute_rows' copy step writing
-// FP8 E4M3 rows with their 1x128 scales, x[t] -> q[row_index[t, j]], scale[row_index[t, j]]. Each 128-wide tile is
-// quantised in float32 exactly as the jnp quantiser does it (the same products, one IEEE division), so the values are
-// bit-identical to quantize_rows of permute's bf16 rows.
-#include <cmath>
-
+// FP8 E4M3 rows with their 1x128 scales, x[t] -> q[row_index[t, j]], scale[row_index[t, j]]. Each row is quantised by
+// row_quantize.h's quantize_row (quantize_rows.cc's too), bit-identical to the jnp quantize_rows of permute's rows.
 #include "../contracts/permute_fp8.h"
 #include "../contracts/registration.h"
 #include "common.h"
+#include "row_quantize.h"
 
 namespace turbo_moe {
 namespace {
 
-// One row of H values (dtype dt) -> H e4m3 bytes and H/128 scales.
-void quantize_row(Dtype dt, const char* src, int64_t H, uint8_t* q, float* scale) {
-  float tile[kPermuteFp8Tile];
-  const float inv_max = static_cast<float>(1.0 / static_cast<double>(kE4m3Max));
-  const int64_t w = byte_width(dt);
-  for (int64_t b = 0; b < H / kPermuteFp8Tile; ++b) {
-    load_f32(dt, src + b * kPermuteFp8Tile * w, kPermuteFp8Tile, tile);
-    float amax = 0.0f;
-    for (float v : tile) amax = std::max(amax, std::fabs(v));
-    const float s = amax > 0.0f ? amax * inv_max : 1.0f;
-    const float inv = 1.0f / s;
-    for (int64_t i = 0; i < kPermuteFp8Tile; ++i)
-      q[b * kPermuteFp8Tile + i] = f32_to_e4m3(std::min(kE4m3Max, std::max(-kE4m3Max, tile[i] * inv)));
-    scale[b] = s;
-  }
-}
+static_assert(kRowQuantizeTile == kPermuteFp8Tile && E4m3Format::kMax == kE4m3Max);
 
 ffi::Error PermuteFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_index,
                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q,
@@ -43,7 +26,8 @@ ffi::Error PermuteFp8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   float* s_p = static_cast<float*>(scale->untyped_data());
 
   for_each_routed_copy(&pool, row_p, batch, T, k, /*chunk=*/64, [&](int64_t b, int64_t t, int64_t r) {
-    quantize_row(dt, x_p + (b * T + t) * row_bytes, H, q_p + (b * slots + r) * H, s_p + (b * slots + r) * nb);
+    quantize_row<E4m3Format>(dt, x_p + (b * T + t) * row_bytes, H, q_p + (b * slots + r) * H,
+                             s_p + (b * slots + r) * nb);
   });
   for (int64_t b = 0; b < batch; ++b) {
     int64_t total = 0;

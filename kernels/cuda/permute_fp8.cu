@@ -1,35 +1,21 @@
 // CUDA FFI handler turbo_moe_permute_fp8 (contract: kernels/contracts/permute_fp8.h; CPU: kernels/cpu/permute_fp8.cc):
 // permute_rows' copy step writing FP8 E4M3 rows and their 1x128 scales, the grouped FP8 GEMM's lhs, so no separate
-// pass reads the permuted activations again to quantise them. One warp per token copy: per 128-wide tile each lane
-// holds 4 values, the warp reduces the tile's amax with shuffles, lane 0 writes the scale and every lane its 4 bytes.
-// The arithmetic is the jnp quantiser's in IEEE float32 (round-to-nearest products, a correctly rounded reciprocal,
-// the hardware's round-to-nearest-even e4m3 conversion), so the values are bit-identical to it.
-#include <cuda_fp8.h>
-
+// pass reads the permuted activations again to quantise them. One warp per token copy quantises it with
+// row_quantize.cuh's warp step (quantize_rows.cu's too), bit-identical to the jnp quantiser.
 #include "../contracts/permute_fp8.h"
 #include "../contracts/registration.h"
 #include "block_scan.cuh"
 #include "common.cuh"
+#include "row_quantize.cuh"
 
 namespace turbo_moe {
 namespace {
 
-constexpr int kLaneValues = kPermuteFp8Tile / 32;  // 4 values of a tile per lane
-constexpr int kTilesInFlight = 4;                  // tiles loaded per lane before the first reduction (latency)
-
-__device__ __forceinline__ uint32_t quantize4(const float (&v)[kLaneValues], float inv) {
-  uint32_t packed = 0;
-#pragma unroll
-  for (int i = 0; i < kLaneValues; ++i) {
-    const float c = fminf(kE4m3Max, fmaxf(-kE4m3Max, __fmul_rn(v[i], inv)));
-    packed |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(c, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
-  }
-  return packed;
-}
+static_assert(kRowQuantizeTile == kPermuteFp8Tile && fp8_max<__NV_E4M3>() == kE4m3Max);
 
 // One warp per slot: q[row_index[s]] and scale[row_index[s]] from x[s / k].
 template <typename T>
-__global__ void quantize_rows_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_index,
+__global__ void permute_quantize_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_index,
                                      uint32_t* __restrict__ q, float* __restrict__ scale, int64_t tokens, int64_t k,
                                      int64_t H, int64_t total_slots) {
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -38,35 +24,8 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, const int32_t* __r
   const int64_t slots = tokens * k, b = warp / slots, s = warp % slots;
   const int32_t r = row_index[warp];
   if (r < 0 || r >= slots) return;  // a dropped copy
-  using Vec = Pack<T, kLaneValues>;
-  const Vec* src = reinterpret_cast<const Vec*>(x + (b * tokens + s / k) * H);
-  uint32_t* dst = q + (b * slots + r) * (H / 4);
-  float* dst_scale = scale + (b * slots + r) * (H / kPermuteFp8Tile);
-  const int64_t tiles = H / kPermuteFp8Tile;
-  const float inv_max = static_cast<float>(1.0 / static_cast<double>(kE4m3Max));
-  for (int64_t t0 = 0; t0 < tiles; t0 += kTilesInFlight) {
-    float v[kTilesInFlight][kLaneValues];
-#pragma unroll
-    for (int j = 0; j < kTilesInFlight; ++j)
-      if (t0 + j < tiles) {
-        const Vec p = src[(t0 + j) * 32 + lane];
-#pragma unroll
-        for (int i = 0; i < kLaneValues; ++i) v[j][i] = to_f32(p.v[i]);
-      }
-#pragma unroll
-    for (int j = 0; j < kTilesInFlight; ++j) {
-      if (t0 + j >= tiles) break;
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kLaneValues; ++i) amax = fmaxf(amax, fabsf(v[j][i]));
-#pragma unroll
-      for (int d = 16; d > 0; d >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-      const float s_ = amax > 0.0f ? __fmul_rn(amax, inv_max) : 1.0f;
-      const float inv = __frcp_rn(s_);  // 1 / s correctly rounded, as the jnp quantiser's division
-      dst[(t0 + j) * 32 + lane] = quantize4(v[j], inv);
-      if (lane == 0) dst_scale[t0 + j] = s_;
-    }
-  }
+  warp_quantize_row<__NV_E4M3>(x + (b * tokens + s / k) * H, H, q + (b * slots + r) * (H / 4),
+                               scale + (b * slots + r) * (H / kPermuteFp8Tile), lane);
 }
 
 // Rows [sum(group_sizes[b]), slots) of each batch: q 0 and scale 1 (a zero row's quantisation). Every block sums
@@ -98,7 +57,7 @@ ffi::Error PermuteFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
   auto* s_p = static_cast<float*>(scale->untyped_data());
   dispatch_float(x.element_type(), [&](auto tag) {
     using Elem = decltype(tag);
-    quantize_rows_kernel<Elem><<<static_cast<unsigned>(ceil_div(total_slots, 8)), 256, 0, stream>>>(
+    permute_quantize_kernel<Elem><<<static_cast<unsigned>(ceil_div(total_slots, 8)), 256, 0, stream>>>(
         static_cast<const Elem*>(x.untyped_data()), row_index.typed_data(), reinterpret_cast<uint32_t*>(q_p), s_p, T,
         k, H, total_slots);
   });

@@ -61,6 +61,11 @@ def _group_columns(name, message, x=(10, 4), xdt=F32, groups=2, qdt=jnp.float8_e
     return Case(name, "turbo_moe_quantize_group_columns", (spec(x, xdt), spec((groups,), I32)), results, message)
 
 
+def _quantize_rows(name, message, x=(2, 3, 256), xdt=F32, qdt=jnp.float8_e5m2, sdt=F32, scale=None):
+    results = (spec(x, qdt), spec(scale or (*x[:-1], max(x[-1] // 128, 1)), sdt))
+    return Case(name, "turbo_moe_quantize_rows", (spec(x, xdt),), results, message)
+
+
 def _dispatch(name, message, x=(4, 8), ids=(4, 2), xdt=F32, sx=(2, 3, 8), sxdt=F32, P=2, El=2, C=3, counts=(2,)):
     operands = (spec(x, xdt), spec(ids, I32), spec(ids, F32))
     k = ids[-1]
@@ -171,6 +176,15 @@ CASES = [
     _group_columns("group_columns_width", "quantize_group_columns: x must have C >= 1 columns", x=(10, 0)),
     _group_columns("group_columns_results", "quantize_group_columns: expected results q_t [C, P] and scale [P/128, C] "
                    "with P = 384 (padded_rows(M, G) in turbo_moe/ops/quantize_group_columns.py)", p=256),
+    # ---- quantize_rows: x (..., M, K) -> q (..., M, K) fp8, scale (..., M, K/128) f32
+    _quantize_rows("quantize_rows_dtype", "quantize_rows: x must be float32/bfloat16/float16", xdt=I32),
+    _quantize_rows("quantize_rows_q_dtype", "quantize_rows: q must be float8_e4m3fn or float8_e5m2", qdt=U8),
+    _quantize_rows("quantize_rows_scale_dtype", "quantize_rows: scale must be float32", sdt=BF16),
+    _quantize_rows("quantize_rows_rank", "quantize_rows: expected x [..., M, K]", x=(256,), scale=(2,)),
+    _quantize_rows("quantize_rows_width", "quantize_rows: x's K must be a positive multiple of 128 (the FP8 scale "
+                   "tiles), got K=100", x=(3, 100)),
+    _quantize_rows("quantize_rows_results", "quantize_rows: expected results q [..., M, K] and scale [..., M, K/128]",
+                   scale=(2, 3, 1)),
     # ---- unpermute: y (R, H), row_index (T, k), weights (T, k) -> out (T, H)
     Case("unpermute_dtype", "turbo_moe_unpermute", (spec((8, 4), F32), spec((4, 2), I32), spec((4, 2), F32)),
          (spec((4, 4), BF16),), "unpermute: y must be float32/bfloat16/float16 and out the same dtype"),

@@ -28,6 +28,7 @@ TARGETS = (
     "turbo_moe_permute_rows",
     "turbo_moe_permute_fp8",
     "turbo_moe_quantize_group_columns",
+    "turbo_moe_quantize_rows",
     "turbo_moe_unpermute",
     "turbo_moe_unpermute_bwd",
     "turbo_moe_dispatch_pack",
