@@ -10,9 +10,10 @@ the median of --reps calls; benchmarks/grouped_gemm.py's EventTimer):
   fp8_prepared/fwd, fp8_prepared/fwd+bwd(wgrad=...) the op on `ops.fp8_weights(w)` (weights quantised once per
                                                     optimizer step, outside the timing), activation quantisation
                                                     included; the weight gradient in FP8 and in bf16;
-  quant/rows_x, quant/rows_dy, quant/weights, quant/cols_x, quant/cols_dy
-                                                    the quantisation passes alone (1x128 activations and output
-                                                    gradient, both weight layouts, the 128x1 group-padded columns);
+  quant/rows_x, quant/rows_x_kernel, quant/rows_dy, quant/weights, quant/cols_x, quant/cols_dy
+                                                    the quantisation passes alone (1x128 activations by XLA's
+                                                    jnp passes and by the op's kernel, ops.quantize_rows; the output
+                                                    gradient; both weight layouts; the 128x1 group-padded columns);
 and, for balanced routing, the relative Frobenius error of the bf16 and FP8 results (forward, data and weight
 gradients) against float32 grouped GEMMs of the same bf16 inputs (G=256: on the first 32 groups). TFLOP/s count
 2*M*K*N per GEMM (3 GEMMs for fwd+bwd). Writes <out>/grouped_gemm_fp8_<device>.csv and .json (rows +
@@ -115,6 +116,7 @@ def fp8_prepared_fns():
 def quant_fns():
     """The quantisation passes alone, as the op runs them."""
     return {"rows_x": lambda x, w, dy, gs: quantize_rows(x),
+            "rows_x_kernel": lambda x, w, dy, gs: ops.quantize_rows(x),
             "rows_dy": lambda x, w, dy, gs: quantize_rows(dy),
             "weights": lambda x, w, dy, gs: fp8_weights(w)[1:],
             "cols_x": lambda x, w, dy, gs: quantize_group_columns(x, gs),

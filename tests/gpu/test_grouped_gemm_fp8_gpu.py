@@ -114,15 +114,16 @@ def test_weight_gradient_product_matches_emulation(case):
 
 
 @requires_hopper
+@pytest.mark.parametrize("weight_grad", ["fp8", "bf16"])
 @pytest.mark.parametrize("case", ["odd_m_empty_groups", "many_tiles"])
-def test_op_value_and_gradients_match_emulated_op(case):
+def test_op_value_and_gradients_match_emulated_op(case, weight_grad):
     x, w, sizes, rng = inputs(case)
     gs = jnp.asarray(sizes)
     c = jnp.asarray(rng.standard_normal((x.shape[0], w.shape[2])), jnp.float32)
 
     def run(impl):
         def loss(a, b):
-            out = grouped_gemm_fp8(a, b, gs, impl=impl)
+            out = grouped_gemm_fp8(a, b, gs, weight_grad=weight_grad, impl=impl)
             return jnp.sum(out.astype(jnp.float32) * c), out
         (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
         return out, grads

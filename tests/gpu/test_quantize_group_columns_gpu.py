@@ -87,7 +87,7 @@ def test_weight_gradient_through_the_kernel_is_the_reference_operands_product(ca
     d_out = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     impl = "auto" if HOPPER else "emulated"
-    _, vjp = jax.vjp(lambda w: ops.grouped_gemm_fp8(lhs, w, gs, impl=impl), rhs)
+    _, vjp = jax.vjp(lambda w: ops.grouped_gemm_fp8(lhs, w, gs, weight_grad="fp8", impl=impl), rhs)
     (d_rhs,) = jax.jit(vjp)(d_out)
     ref = jax.jit(quantize_group_columns_xla)
     lq, ls = jax.device_put(ref(jax.device_put(lhs, CPU), jax.device_put(gs, CPU)), GPU)

@@ -225,8 +225,10 @@ def _block_fwd(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemm
 def _block_bwd(n_experts, gemms, residuals, cotangents):
     tokens, combine_w, w_gate_up, w_down, group_sizes, h, row_index = residuals
     d_y = cotangents[0]  # (T, D); group_sizes are integers
-    fused = gemms.gate_up_swiglu is not None
-    zero_tail = not fused
+    # The backward's one pass over h (`swiglu_combine_grad`) also serves a set whose forward leaves SwiGLU to XLA
+    # (fp8: no FP8 GEMM with a SwiGLU epilogue); its buffers' tails are then written (zero_tail), as its forward's.
+    fused = gemms.gate_up_swiglu is not None or gemms.swiglu_backward_kernel
+    zero_tail = gemms.gate_up_swiglu is None
     with jax.named_scope("unpermute"):
         g_rows = permute_rows_call(d_y.astype(h.dtype), row_index, group_sizes, zero_tail)  # unweighted rows of g
         # each row's combine weight (0 for rows no copy fills): one XLA scatter of T*k scalars (the row-copy kernel
@@ -273,8 +275,9 @@ def _block_bwd(n_experts, gemms, residuals, cotangents):
 def _weight_cotangent(d_w, w):
     """A weight's cotangent typed like it; for Fp8Weights only the master leaf gets one (the FP8 copies are made
     from it, behind a stop_gradient)."""
-    if isinstance(w, Fp8Weights):
-        return Fp8Weights(match_varying(d_w.master, w.master), None, None, None)
+    if isinstance(w, Fp8Weights):  # d_w: the weight gradient itself, or an Fp8Weights cotangent (a VJP through w)
+        d_master = d_w.master if isinstance(d_w, Fp8Weights) else d_w
+        return Fp8Weights(match_varying(d_master, w.master), None, None, None)
     return match_varying(d_w, w)
 
 

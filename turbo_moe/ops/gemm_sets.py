@@ -19,8 +19,9 @@ A set holds the forward GEMM, its data and weight gradients and, optionally, the
 - `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None (dense_cf).
 - `fp8`: `grouped_gemm_fp8` (E4M3 with DeepSeek-V3's 1x128 / 128x128 scales; the CUTLASS kernel on Hopper, exact
   emulation elsewhere), gradients in FP8 through its VJP; K and N multiples of 128. Its permute_forward quantises the
-  rows in the permute's copy (`permute_fp8`); the down GEMM's input (SwiGLU's output) is quantised by XLA
-  (docs/notes/fp8.md).
+  rows in the permute's copy (`permute_fp8`); the down GEMM's input (SwiGLU's output, by XLA) is quantised by
+  `quantize_rows`; the block's backward runs SwiGLU's gradient in one kernel pass (`swiglu_backward_kernel`); weights
+  may come as `fp8_weights`, made once a step (docs/notes/fp8.md).
 """
 from __future__ import annotations
 
@@ -51,10 +52,13 @@ class GemmSet:
     permute_forward: Callable | None = None
     # K and N of every GEMM (the FFN's widths D and F) must be multiples of this (fp8: its 128-wide scale tiles).
     width_multiple: int = 1
+    # The block's backward runs SwiGLU's gradient as one kernel pass (`swiglu_combine_grad`) though the forward has no
+    # fused gate/up + SwiGLU (sets with `gate_up_swiglu` always do).
+    swiglu_backward_kernel: bool = False
 
     def without_fused_swiglu(self) -> "GemmSet":
         """The same GEMMs with SwiGLU left to XLA (`ModelConfig`'s CPU default: its fusion is faster there)."""
-        return dataclasses.replace(self, gate_up_swiglu=None)
+        return dataclasses.replace(self, gate_up_swiglu=None, swiglu_backward_kernel=False)
 
 
 def gradients_by_autodiff(forward: Callable) -> tuple[Callable, Callable]:
@@ -130,7 +134,7 @@ GEMM_SETS: dict[str, GemmSet] = {s.name: s for s in (
     _set("ragged_dot", _ragged_dot_forward),
     _set("pallas", _pallas_forward, device_problem=_pallas_problem),
     _set("einsum", _einsum_forward),
-    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward, width_multiple=128),
+    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward, width_multiple=128, swiglu_backward_kernel=True),
 )}
 
 

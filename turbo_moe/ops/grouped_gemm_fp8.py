@@ -20,9 +20,10 @@ emulated path elsewhere; "emulated" always runs the emulated path. The emulated 
 callers do (the same code, bit-exact FP8 values and scales; the float8 dtypes are ml_dtypes'), dequantises to
 float32 and runs the float32 grouped GEMM kernels: it is the same math up to float32 summation order. It is jnp rather
 than a C++ handler because the only FP8-specific work on the CPU is elementwise (quantise, dequantise), which XLA
-fuses; the product is the existing float32 kernel. The one quantiser that is not elementwise, the weight gradient's
-128x1 tiles in the group-padded layout, is an FFI op on every platform (`ops.quantize_group_columns`, bit-identical to
-its jnp reference `quantize_group_columns_xla`). E5M2 gradients run the emulated product on every platform (the
+fuses; the product is the existing float32 kernel. The quantisers are FFI ops on every platform, each bit-identical to
+its jnp reference: the 1x128 rows `ops.quantize_rows` (jnp `quantize_rows`) and the weight gradient's 128x1 tiles in
+the group-padded layout `ops.quantize_group_columns` (jnp `quantize_group_columns_xla`); the weights' 128x128 blocks
+are jnp (`quantize_blocks`, once per call or once per step with `fp8_weights`). E5M2 gradients run the emulated product on every platform (the
 CUDA kernel takes E4M3 only).
 
 `grouped_gemm_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes)` takes rows already quantised per 1x128 tile (by
@@ -65,6 +66,7 @@ from turbo_moe.ops.fp8_scaling import (  # noqa: F401  (re-exported: the referen
     quantize_tiles,
 )
 from turbo_moe.ops.quantize_group_columns import padded_rows, quantize_group_columns  # noqa: F401  (re-exported)
+from turbo_moe.ops.quantize_rows import quantize_rows_call
 
 IMPLS = ("auto", "emulated")
 WEIGHT_GRADS = ("auto", "fp8", "bf16")
@@ -257,7 +259,7 @@ def _fp8_gemm(lhs, rhs, group_sizes, out_dtype, grad_dtype, weight_grad, impl):
 
 
 def _fp8_gemm_fwd(lhs, rhs, group_sizes, out_dtype, grad_dtype, weight_grad, impl):
-    lq, ls = quantize_rows(lhs)
+    lq, ls = quantize_rows_call(lhs, E4M3)  # one kernel pass, bit for bit the jnp quantize_rows
     out, weights = _quantized_weights_product(lq, ls, rhs, group_sizes, out_dtype, impl)
     # Residuals: lhs (the weight gradient reads it, in bf16 or quantised per 128x1; DeepSeek-V3 caches it in FP8
     # instead) and the weights' blocks in the data gradient's (G, K, N) layout.
@@ -294,7 +296,7 @@ def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtyp
     m, k = lhs.shape
     d_lhs = None
     if lhs_dtype is not None:  # d_out (M, N) per 1x128 along N against the same 128x128 weight blocks, (G, K, N)
-        dq, ds = quantize_rows(d_out, grad_dtype)
+        dq, ds = quantize_rows_call(d_out, grad_dtype)
         d_lhs = rows_product(dq, ds, wq, jnp.swapaxes(ws, 1, 2), group_sizes, out_dtype=lhs_dtype, impl=impl)
     if not weight_grad_in_fp8(m, k, d_out.shape[1], wq.shape[0], weight_grad):
         bf16 = jnp.bfloat16
