@@ -44,6 +44,19 @@ VARIANTS = ("turbo", "fp8_prepared", "fp8")
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 
 
+def _demangled_function(name: str) -> str:
+    """The function's own name in an Itanium-mangled kernel name: the last <length><identifier> of the nested name
+    (`_ZN9turbo_moe12_GLOBAL__N_120quantize_rows_kernelI...` -> quantize_rows_kernel)."""
+    i, last = (3 if name.startswith("_ZN") else 2), name
+    while i < len(name) and name[i].isdigit():
+        j = i
+        while j < len(name) and name[j].isdigit():
+            j += 1
+        n = int(name[i:j])
+        last, i = name[j:j + n], j + n
+    return last
+
+
 def piece(event: dict, hlo: dict) -> str:
     """What a device event is: our FFI kernel by name, or XLA's work by the block scope it serves."""
     name = event["name"]
@@ -55,7 +68,7 @@ def piece(event: dict, hlo: dict) -> str:
         short = re.sub(r"<.*", "", name.split("(")[0]).split("::")[-1].split(" ")[-1]
         if name.startswith("_Z") or short in ("device_kernel", "Kernel", "Kernel2", "kernel"):  # mangled / CUTLASS
             short = ("cutlass_" + ("fp8" if re.search(r"e4m3|e5m2|fp8", name, re.I) else "bf16")
-                     if "cutlass" in name else re.sub(r"^_ZN?\d*", "", name)[:40])
+                     if "cutlass" in name else _demangled_function(name))
         call = re.sub(r"[._]\d+$", "", event["hlo_op"] or tcat.resolve_instruction(event, hlo))
         return f"ffi:{call}:{short}"
     words = tcat._WORD.findall(instr.op_name)
