@@ -6,10 +6,11 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
-from turbo_moe.experiments.store import migrate, migration_check, store
 from turbo_moe.experiments.report import compare
+from turbo_moe.experiments.store import migrate, migration_check, store
 from turbo_moe.experiments.store.results import append_row
 from turbo_moe.experiments.store.store import Record, StoreError
 
@@ -60,6 +61,37 @@ def test_damaged_store_file_is_reported_by_name(tmp_path):
     assert store.read_records(tmp_path, ["good"])["record"].tolist() == ["a"]
     problems = store.verify(tmp_path)
     assert len(problems) == 1 and "campaign=bad" in problems[0]
+
+
+def test_compact_rewrites_a_store_with_the_same_values(tmp_path):
+    records = [Record(record=f"r{i}", kind="run", table="t", source="t.csv", config={"seed": i, "note": "x" * 300},
+                      summary={"tgs": 1.0 + i}, history=[{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3 * s}
+                                                         for s in range(30)]) for i in range(3)]
+    store.write_campaign(tmp_path, "c", records)
+    history_file = tmp_path / "history" / "campaign=c" / "part-0.parquet"
+    records_file = tmp_path / "records" / "campaign=c" / "part-0.parquet"
+    # As an earlier version wrote them: history in step order, statistics for every column.
+    earlier = {history_file: pq.read_table(history_file).sort_by("step"), records_file: pq.read_table(records_file)}
+    for path, table in earlier.items():
+        pq.write_table(table, path, compression="zstd", compression_level=15, write_page_checksum=True)
+    store.rehash(tmp_path)
+    wide, long = store.read_history(tmp_path), store.read_history(tmp_path, wide=False)
+    rows = store.read_records(tmp_path)
+    assert list(wide.columns) == ["campaign", "record", "step", "loss", "lr"]  # whatever order the file holds
+
+    before, after = store.compact(tmp_path)
+    assert after < before and store.verify(tmp_path) == []
+    pd.testing.assert_frame_equal(store.read_history(tmp_path), wide)
+    pd.testing.assert_frame_equal(store.read_records(tmp_path), rows)
+    again = store.read_history(tmp_path, wide=False)
+    key = ["record", "metric", "step"]
+    assert list(again[key].itertuples(index=False)) == sorted(again[key].itertuples(index=False))  # one metric together
+    pd.testing.assert_frame_equal(again, long.sort_values(key, ignore_index=True))
+    footer = pq.ParquetFile(records_file).metadata
+    columns = range(footer.num_columns)
+    stats = {footer.schema.column(i).name: footer.row_group(0).column(i).is_stats_set for i in columns}
+    assert stats["record"] and not stats["config"]  # no JSON document copied into the footer
+    assert footer.metadata is None or b"pandas" not in footer.metadata
 
 
 def _small_tree(root: Path) -> Path:

@@ -4,6 +4,12 @@ and the writers' lock (``flock`` on the store folder). ``store`` builds on these
 A file is replaced in three steps under the lock: the manifest first accepts the file's old and new sha256,
 then the new file is renamed into place, then only the new hash stays; a kill at any moment leaves a store
 whose every file matches its manifest.
+
+How a file is written (``write_parquet``; ``compact`` rewrites a store written otherwise): zstd at level 19, Parquet
+page checksums, no pandas metadata (a copy of the schema in every file), min/max statistics only for the short
+columns (a JSON text column's would copy two whole documents into the footer), and history rows sorted by record,
+metric and step, so one metric's values sit together, its floats byte-split. Of the committed store's bytes before
+this layout, 2.9 MB of 14.8 MB were footers.
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ import pyarrow.parquet as pq
 from turbo_moe.writer_lock import folder_lock
 
 MANIFEST = "SHA256SUMS"  # one line per file: "<sha256>  <path relative to the store>"
+# Per table (the folder under the store; ``campaigns`` for campaigns.parquet): statistics, encodings, row order.
+_WRITE_OPTIONS = {
+    "records": {"write_statistics": ["record", "kind", "table", "status", "date", "git_commit", "device"]},
+    "history": {"write_statistics": ["record", "step", "metric"], "use_dictionary": ["record", "metric"],
+                "column_encoding": {"value": "BYTE_STREAM_SPLIT", "step": "DELTA_BINARY_PACKED"}},
+    "sources": {"write_statistics": ["path", "format", "bytes", "stored"]},
+    "campaigns": {"write_statistics": ["campaign", "status"]},
+}
+_ROW_ORDER = {"history": [("record", "ascending"), ("metric", "ascending"), ("step", "ascending")]}
 
 
 class StoreError(ValueError):
@@ -86,10 +101,15 @@ def relative(store: Path, path: Path) -> str:
 def write_parquet(store: Path, table: pa.Table, path: Path) -> None:
     """Replace ``path`` with ``table`` (the caller holds the store lock): the manifest first accepts the old
     and the new hash, then the file is renamed into place, then only the new hash stays."""
+    dataset = table_of(path)
+    if dataset in _ROW_ORDER:
+        table = table.sort_by(_ROW_ORDER[dataset])  # a stable sort
+    table = table.replace_schema_metadata(None)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        pq.write_table(table, tmp, compression="zstd", compression_level=15, write_page_checksum=True)
+        pq.write_table(table, tmp, compression="zstd", compression_level=19, write_page_checksum=True,
+                       **_WRITE_OPTIONS.get(dataset, {}))
         digest = sha256_file(tmp)
         entries = read_manifest(store) or {}
         name = relative(store, path)
@@ -121,6 +141,26 @@ def rehash(store: str | Path) -> int:
         entries = {relative(store, p): {sha256_file(p)} for p in store_files(store)}
         _write_manifest(store, entries)
     return len(entries)
+
+
+def compact(store: str | Path) -> tuple[int, int]:
+    """Rewrite every file of ``store`` as ``write_parquet`` writes files now (each checked first; the same rows and
+    values, history in its row order); returns the Parquet bytes before and after."""
+    store = Path(store)
+    before = after = 0
+    with store_lock(store):
+        for path in store_files(store):
+            check_file(path)
+            before += path.stat().st_size
+            write_parquet(store, pq.ParquetFile(path).read(), path)
+            after += path.stat().st_size
+    return before, after
+
+
+def table_of(path: Path) -> str:
+    """The table a store file holds: ``records`` for ``<store>/records/campaign=<name>/part-0.parquet``, ``campaigns``
+    for ``<store>/campaigns.parquet``."""
+    return path.parents[1].name if path.parent.name.startswith("campaign=") else path.stem
 
 
 def store_of(path: Path) -> Path:

@@ -1,12 +1,13 @@
 """Bring result files (sweep tables, benchmark tables, JSON records, logs) into the results store.
 
     python -m turbo_moe.experiments.store.migrate [--results experiments/results] [--store experiments/store]
-                                           [--campaign NAME] [--all] [--check] [--rehash]
+                                                 [--campaign NAME] [--all] [--check] [--rehash] [--compact]
 
 It writes into the store it is given (default: the committed ``experiments/store``); ``turbo-moe report``
 ingests into this machine's git-ignored store instead, and ``turbo-moe report --publish`` into the
 committed one. ``--rehash`` lists every file of a store written before files were checksummed in its
-``SHA256SUMS`` (check the files first, e.g. with ``git status``).
+``SHA256SUMS`` (check the files first, e.g. with ``git status``). ``--compact`` rewrites every file of a store
+as the store writes files now (``store.files``: the same values in about 60% of the bytes).
 
 Every file under the results folder belongs to a campaign: its top-level entry (``kernels_h200.csv`` ->
 ``kernels_h200``; ``gpu_paths_x_batch.csv`` and the folder ``gpu_paths_x_batch/`` -> ``gpu_paths_x_batch``).
@@ -332,9 +333,16 @@ def main(argv: list[str] | None = None) -> int:
                         "its file, and draw the report both ways (files vs store) and compare the figures")
     p.add_argument("--rehash", action="store_true",
                    help="list every Parquet file of the store in its SHA256SUMS as it is now, and nothing else")
+    p.add_argument("--compact", action="store_true",
+                   help="rewrite every Parquet file of the store as files are written now (the same values), and "
+                        "nothing else")
     args = p.parse_args(argv)
     if args.rehash:
         print(f"{args.store / store.MANIFEST}: {store.rehash(args.store)} files listed")
+        return 0
+    if args.compact:
+        before, after = store.compact(args.store)
+        print(f"{args.store}: {before / 1e6:.2f} MB of Parquet files rewritten as {after / 1e6:.2f} MB")
         return 0
     ingest(args.results, args.store, campaigns=args.campaign, only_changed=not args.all, replace=args.all)
     if args.all:

@@ -8,7 +8,10 @@ Layout (committed)::
     experiments/store/campaigns.parquet                        one row per campaign: title, status, note
     experiments/store/SHA256SUMS                               every file's sha256, checked on every read
 
-The same layout serves this machine's git-ignored store, ``experiments/runs/store/`` (see ``report``).
+The same layout serves this machine's git-ignored store, ``experiments/runs/store/`` (see ``report``). One file
+per campaign and table, not one per table: a damaged file leaves one campaign out of the report, not all, and a
+publish rewrites only the campaigns it touches. How a file is encoded (zstd, statistics, row order): ``files``;
+``compact`` (``migrate --compact``) rewrites a store written before that encoding, whose files read as they are.
 
 pandas reads any of them in one line, e.g. ``pd.read_parquet("experiments/store/records")`` (the
 ``campaign`` column comes from the folder names). A record's ``config``, ``provenance``, ``summary`` and
@@ -45,8 +48,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from turbo_moe.experiments.store.files import (MANIFEST, StoreError, check_file, read_manifest, rehash,  # noqa: F401
-                                               remove, store_files, store_lock, write_parquet)
+from turbo_moe.experiments.store.files import (MANIFEST, StoreError, check_file, compact,  # noqa: F401
+                                               read_manifest, rehash, remove, store_files, store_lock, write_parquet)
 
 DEFAULT_STORE = Path("experiments") / "store"
 CAMPAIGN_STATUSES = ("current", "superseded", "history")
@@ -312,7 +315,12 @@ def read_history(store: str | Path = DEFAULT_STORE, campaigns: Iterable[str] | N
     if not wide or frame.empty:
         return frame
     wide_frame = frame.pivot_table(index=["campaign", "record", "step"], columns="metric", values="value",
-                                   aggfunc="last", sort=False).reset_index()
+                                   aggfunc="last", sort=False)
+    # One order whatever order a file holds its rows in: campaigns as asked, then record and step; metrics by name.
+    wide_frame = wide_frame.sort_index(axis=1).reset_index()
+    campaign_order = wide_frame.groupby("campaign", sort=False).ngroup()
+    wide_frame = wide_frame.assign(_order=campaign_order).sort_values(["_order", "record", "step"], kind="stable")
+    wide_frame = wide_frame.drop(columns="_order").reset_index(drop=True)
     wide_frame.columns.name = None
     return wide_frame
 
