@@ -4,7 +4,7 @@ CPU handlers always; CUDA handlers when built.
 - grouped_gemm: drop-in for jax.lax.ragged_dot; grouped_gemm_weight_grad: its variable-K wgrad;
   ragged_dot_general: jax.lax.ragged_dot_general's ragged-M and ragged-contracting modes on those kernels;
   grouped_gemm_fp8: the grouped GEMM in FP8 with DeepSeek-V3's 1x128 / 128x128 scaling (Hopper kernel, emulated
-  elsewhere);
+  elsewhere); fp8_weights: its weights' FP8 blocks made once (an Fp8Weights it takes in place of the weight);
   grouped_gemm_swiglu: the gate/up GEMM and SwiGLU of an expert FFN, both outputs from one call;
   swiglu_combine_grad: SwiGLU's backward, the combine weights' gradient and act * w in one pass (no VJP of its own).
 - expert_block: a MoE layer's routed experts as one op (permute -> SwiGLU FFN -> unpermute, one custom VJP) for any
@@ -27,6 +27,7 @@ from turbo_moe.ops.gemm_sets import GEMM_SETS, GemmSet
 from turbo_moe.ops.moe_combine import moe_combine
 from turbo_moe.ops.moe_dispatch import DispatchHandle, moe_dispatch
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
+from turbo_moe.ops.fp8_scaling import Fp8Weights, fp8_weights
 from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8, grouped_gemm_fp8_quantized
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops.ragged_dot_general import ragged_dot_general
@@ -52,6 +53,8 @@ __all__ = [
     "ragged_dot_general",
     "grouped_gemm_fp8",
     "grouped_gemm_fp8_quantized",
+    "fp8_weights",
+    "Fp8Weights",
     "grouped_gemm_swiglu",
     "swiglu_combine_grad",
     "permute",
