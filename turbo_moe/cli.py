@@ -7,10 +7,14 @@ import argparse
 import sys
 from pathlib import Path
 
-try:  # sweep/report need the [notebooks] extra (they say so when run); train/launch only the [train] extra
-    from turbo_moe.experiments.sweep.spec import DEFAULT_KERNEL
+# Each command's modules are imported where it runs: train/launch need the [train] extra, sweep/report the
+# [notebooks] extra (a missing one is named when its command runs, and the other commands work), and the report's
+# (matplotlib, seaborn, pyarrow: ~5 s) would make `turbo-moe --help` slow.
+try:  # the sweep's spec and lock: [notebooks] and [train], already imported for the default kernel's name
+    from turbo_moe.experiments.sweep.lock import SweepBusy
+    from turbo_moe.experiments.sweep.spec import DEFAULT_KERNEL, load_spec
 except ImportError:
-    DEFAULT_KERNEL = None
+    SweepBusy, DEFAULT_KERNEL, load_spec = None, None, None
 
 
 def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
@@ -76,13 +80,13 @@ def _add_train_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from turbo_moe.train.launch import train_from_file
+    from turbo_moe.train.launch import train_from_file  # the [train] extra
 
     return train_from_file(args.config, args.sets, out=args.out, record=args.record, overwrite=args.overwrite)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from turbo_moe.train.launch import launch_local
+    from turbo_moe.train.launch import launch_local  # the [train] extra
 
     processes = args.processes if args.processes is not None else args.gpus if args.gpus is not None else 2
     return launch_local(args.config, args.sets, processes=processes, gpus=args.gpus, cpu_devices=args.cpu_devices,
@@ -91,9 +95,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from turbo_moe.experiments.sweep.runner import (
+    from turbo_moe.experiments.sweep.runner import (  # the [notebooks] extra; pandas' import (~1 s)
         SweepLayout, damaged_rows, default_experiments_dir, plan_sweep, run_sweep)
-    from turbo_moe.experiments.sweep.spec import load_spec
 
     spec = load_spec(args.spec)  # checks every point's values as the notebook would
     exp = args.experiments_dir or default_experiments_dir(spec)
@@ -122,7 +125,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from turbo_moe.experiments.report import report
+    from turbo_moe.experiments.report import report  # the [notebooks] extra; matplotlib, seaborn, pyarrow (~5 s)
 
     return report.report_command(args.experiments_dir, notebook=args.notebook, kernel=args.kernel,
                                  in_process=args.no_notebook, publish=args.publish)
@@ -137,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_train_parsers(sub)
     args = parser.parse_args(argv)
     expected: tuple[type[Exception], ...] = (ValueError, OSError)
-    if args.command in ("sweep", "report"):
-        from turbo_moe.experiments.sweep.lock import SweepBusy
-
+    if args.command in ("sweep", "report") and SweepBusy is not None:
         expected += (SweepBusy,)
     try:
         return {"sweep": cmd_sweep, "report": cmd_report, "train": cmd_train, "launch": cmd_launch}[args.command](args)

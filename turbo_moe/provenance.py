@@ -60,6 +60,8 @@ def collect(*, devices: bool = True) -> dict[str, Any]:
 
 
 def _device_info() -> dict[str, Any]:
+    # jax and turbo_moe.ops (which imports jax) only where devices are asked for: importing provenance stays free of
+    # JAX (the results tables and the store import it; tests/test_provenance.py holds it).
     import jax
 
     from turbo_moe.ops import kernel_info

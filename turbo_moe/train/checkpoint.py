@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from turbo_moe.train.config import TrainConfig
 from turbo_moe.writer_lock import HolderLock
 
 
@@ -93,8 +94,6 @@ def _reason(exc: BaseException) -> str:
 def _as_now(config: dict) -> dict:
     """A recorded config in today's flat fields (an older checkpoint's seq_len is now the model's max_seq_len, its
     two moment dtypes one field), or as written where it does not read as a TrainConfig."""
-    from turbo_moe.train.config import TrainConfig
-
     try:
         now = TrainConfig.from_record(config).to_dict()
     except (TypeError, ValueError):

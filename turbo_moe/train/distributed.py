@@ -27,6 +27,8 @@ import re
 import socket
 from typing import Mapping
 
+from turbo_moe.train.step import batch_sharding
+
 COORDINATOR_VARS = ("TURBO_MOE_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
 NUM_PROCESSES_VARS = ("TURBO_MOE_NUM_PROCESSES", "JAX_NUM_PROCESSES")
 PROCESS_ID_VARS = ("TURBO_MOE_PROCESS_ID", "JAX_PROCESS_ID")
@@ -204,8 +206,6 @@ def batch_share(mesh, global_batch: int) -> tuple[int, int]:
     that contiguous block). Equals (process_index, process_count) when the mesh lists devices process by process.
     """
     import jax
-
-    from turbo_moe.train.step import batch_sharding
 
     blocks = sorted({(index[0].start or 0, global_batch if index[0].stop is None else index[0].stop)
                      for index in batch_sharding(mesh).addressable_devices_indices_map((global_batch, 1)).values()})

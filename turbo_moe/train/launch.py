@@ -17,12 +17,16 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from turbo_moe.data import load_dataset
 from turbo_moe.train import distributed, local_processes, run_folder
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.config_file import (apply_sets, config_from_values, load_config_values,  # noqa: F401
                                          load_train_config, parse_set)
 from turbo_moe.train.local_processes import free_port, process_envs  # noqa: F401 (the launcher's API)
+from turbo_moe.train.loop import run
+from turbo_moe.train.progress import loss_text
 from turbo_moe.train.run_folder import RunPlan
+from turbo_moe.train.tensorboard import TensorBoardLog
 
 
 def resolve_run(config_path: str | Path, sets: Sequence[str] = (), *, out: str | Path | None = None,
@@ -71,8 +75,6 @@ def _prepare_data(config: TrainConfig, process_id: int) -> None:
     """Process 0 fetches and tokenises a named corpus while the others wait: no two processes write the cache."""
     from jax.experimental import multihost_utils
 
-    from turbo_moe.data import load_dataset
-
     if process_id == 0 and config.dataset != "synthetic":
         load_dataset(config.dataset, seq_len=config.resolved_seq_len, vocab_size=config.model_config().vocab_size,
                      data_dir=config.data_dir, text_field=config.text_field, val_fraction=config.val_fraction,
@@ -97,9 +99,6 @@ def train_from_file(config_path: str | Path, sets: Sequence[str] = (), *, out: s
         return _finished(plan, config, echo) if group is None or group.process_id == 0 else 0
     joined = distributed.initialize(group)
     import jax
-
-    from turbo_moe.train.loop import run
-    from turbo_moe.train.tensorboard import TensorBoardLog
 
     check_devices(config, jax.device_count(), f"this run sees ({jax.device_count()} x {jax.devices()[0].device_kind})")
     rank0 = jax.process_index() == 0
@@ -130,8 +129,6 @@ def train_from_file(config_path: str | Path, sets: Sequence[str] = (), *, out: s
 
 
 def _write_outputs(result, plan: RunPlan, config: TrainConfig, echo) -> None:
-    from turbo_moe.train.progress import loss_text
-
     s = result.summary
     if result.ok and (s.get("resumed_from_step") or 0) >= config.steps:  # restored at the end: nothing ran
         _finished(dataclasses.replace(plan, resume_from=s["resumed_from_step"]), config, echo)

@@ -27,6 +27,7 @@ from turbo_moe.model import normal_init
 from turbo_moe.model.mesh import MESH_AXES, make_mesh  # noqa: F401  (make_mesh: re-exported)
 from turbo_moe.model.router import bias_rate_at
 from turbo_moe.model.sharding import state_shardings  # noqa: F401  (the train state's layout, re-exported)
+from turbo_moe.model.stack import stacked_cast_paths
 from turbo_moe.train import determinism
 from turbo_moe.train.config import TrainConfig
 from turbo_moe.train.init_program import InitProgram
@@ -279,8 +280,6 @@ def compiler_options(gpu_autotune_level: int | None, deterministic: bool = False
 def compute_cast(model_cfg: ModelConfig, abstract_model: nnx.Module, split: bool = False) -> ComputeCast:
     """TrainConfig.cast_params_in_update's paths and dtype (with `split`, master_weights="split"'s); refused where the
     model computes in its parameter dtype."""
-    from turbo_moe.model.stack import stacked_cast_paths
-
     dtype = jnp.dtype(model_cfg.dtype)
     if split and (dtype != jnp.bfloat16 or jnp.dtype(model_cfg.param_dtype) != jnp.float32):
         raise ValueError(f"TrainConfig.master_weights='split' keeps float32 master weights as a bfloat16 compute copy "
