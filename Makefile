@@ -52,7 +52,9 @@ setup: $(STAMP)
 # Build isolation is off: the build's own requirements (pyproject.toml [build-system], jax pinned to the
 # FFI headers' version) go into the venv first, so pip does not download jax/jaxlib a second time into a
 # throwaway build environment.
-$(STAMP): pyproject.toml CMakeLists.txt $(wildcard kernels/*/*)
+# The package's __init__ files too: the editable install maps each module to its file, so a package added or moved
+# (a pull) must reinstall, or imports resolve to the old paths.
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard kernels/*/*) $(wildcard turbo_moe/__init__.py turbo_moe/*/__init__.py turbo_moe/*/*/__init__.py)
 	$(call stage,1/5,virtualenv $(VENV))
 	$(PYTHON) -m venv $(VENV)
 	$(call stage,2/5,build requirements (pyproject.toml [build-system]; CMake and Ninja from PyPI only if missing here))
