@@ -440,12 +440,11 @@ def test_unknown_policy_is_rejected():
         micro_config(remat_policy="dots_experts")
 
 
-@pytest.mark.parametrize("remat", ["none", "dots_experts_attention"])
-def test_fp8_experts_quantised_once_change_no_bit(remat, monkeypatch):
+def test_fp8_experts_quantised_once_change_no_bit(monkeypatch):
     """turbo_fp8 quantises every layer's expert weights once before the scan (`quantize_stacked_experts`): the loss,
     the loads and every gradient are those of quantising at each use (the same blocks; the gradient reaches the
-    weights), under remat too."""
-    cfg = _config(moe_path="turbo_fp8", d_model=128, moe_ffn_dim=128, remat_policy=remat)
+    weights), under `reduced`'s remat policy (the backward's recomputation reads the blocks made before the scan)."""
+    cfg = _config(moe_path="turbo_fp8", d_model=128, moe_ffn_dim=128, remat_policy="dots_experts_attention")
     once_loss, once_metrics, once_grads = _loss_and_grads(cfg)
     monkeypatch.setattr(stack, "quantize_stacked_experts", lambda blocks, state: state)
     loss, metrics, grads = _loss_and_grads(cfg)
