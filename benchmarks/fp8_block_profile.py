@@ -65,7 +65,8 @@ def piece(event: dict, hlo: dict) -> str:
     if opcode == "custom-call" or not instr:
         if re.search(r"cublas|gemm_kernel|sm\d\d_xmma", name, re.I) and "turbo" not in name:
             return "gemm:cublas"
-        short = re.sub(r"<.*", "", name.split("(")[0]).split("::")[-1].split(" ")[-1]
+        plain = name.replace("(anonymous namespace)::", "")  # demangled names: its parenthesis is not the arguments'
+        short = re.sub(r"<.*", "", plain.split("(")[0]).split("::")[-1].split(" ")[-1]
         if name.startswith("_Z") or short in ("device_kernel", "Kernel", "Kernel2", "kernel"):  # mangled / CUTLASS
             short = ("cutlass_" + ("fp8" if re.search(r"e4m3|e5m2|fp8", name, re.I) else "bf16")
                      if "cutlass" in name else _demangled_function(name))
