@@ -7,7 +7,7 @@ from nbhelpers import NOTEBOOKS, REPO, nbval
 
 from turbo_moe import cli
 
-FIXTURE = REPO / "tests" / "sweep" / "fixtures" / "results"
+FIXTURE = REPO / "tests" / "experiments" / "fixtures" / "results"
 
 
 def test_report_command_draws_figures_and_passes_nbval(tmp_path, kernel, capsys, monkeypatch):
