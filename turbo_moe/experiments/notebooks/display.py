@@ -34,6 +34,36 @@ def phases_text(phases: Mapping[str, float] | None) -> str:
     return ", ".join(parts)
 
 
+def _peak_memory(v, s) -> str:
+    source = str(s.get("memory_source") or "").split(" (")[0]
+    return gib(v) + (f" ({source})" if source else "")
+
+
+# (summary key, row name, the value's text from (value, summary)): the row shows when the value is a finite number.
+_TIMING_ROWS = (
+    ("final_loss", "final train loss (nats/token)", lambda v, s: f"{v:.4f}"),
+    ("final_eval_loss", "final eval cross-entropy (nats/token)", lambda v, s: f"{v:.4f}"),
+    ("tgs", "TGS (tokens/device/s)",
+     lambda v, s: f"{v:,.0f}" + (f" (last {s['tgs_steps']} steps)" if finite(s.get("tgs_steps")) else "")),
+    ("step_time_s", "step time", lambda v, s: f"{1e3 * v:.1f} ms"),
+    ("mfu", "MFU", lambda v, s: f"{100 * v:.1f} %"),
+    ("peak_memory_bytes", "peak memory", _peak_memory),
+    ("compiled_temp_bytes", "compiled step: temporaries / total",
+     lambda v, s: f"{gib(v, 3)} / {gib(s.get('compiled_total_bytes'), 3)}"),
+)
+_MODEL_ROWS = (
+    ("load_max_over_mean_mean", "expert load max / mean", lambda v, s: f"{v:.2f} (mean over all steps; 1 = balanced)"),
+    ("params_total", "parameters total / active", lambda v, s: f"{v / 1e6:,.2f} M / {s['params_active'] / 1e6:,.2f} M"),
+    ("flops_per_token", "training GFLOP/token", lambda v, s: f"{v / 1e9:.4f}"),
+)
+
+
+def _number_rows(rows: dict[str, str], table, s: Mapping[str, Any]) -> None:
+    for key, name, text in table:
+        if finite(s.get(key)):
+            rows[name] = text(s[key], s)
+
+
 def run_summary(status: str, error: str | None, summary: Mapping[str, Any]) -> pd.DataFrame:
     """One-column table of a run: what a person asks first, with units; unknown values are left out."""
     s = summary
@@ -45,33 +75,12 @@ def run_summary(status: str, error: str | None, summary: Mapping[str, Any]) -> p
     phases = s.get("phase_seconds") or {}
     if phases:
         rows["wall time"] = f"{sum(v for v in phases.values() if finite(v)):.1f} s ({phases_text(phases)})"
-    if finite(s.get("final_loss")):
-        rows["final train loss (nats/token)"] = f"{s['final_loss']:.4f}"
-    if finite(s.get("final_eval_loss")):
-        rows["final eval cross-entropy (nats/token)"] = f"{s['final_eval_loss']:.4f}"
-    if finite(s.get("tgs")):
-        rows["TGS (tokens/device/s)"] = f"{s['tgs']:,.0f}" + (
-            f" (last {s['tgs_steps']} steps)" if finite(s.get("tgs_steps")) else "")
-    if finite(s.get("step_time_s")):
-        rows["step time"] = f"{1e3 * s['step_time_s']:.1f} ms"
-    if finite(s.get("mfu")):
-        rows["MFU"] = f"{100 * s['mfu']:.1f} %"
-    if finite(s.get("peak_memory_bytes")):
-        source = str(s.get("memory_source") or "").split(" (")[0]
-        rows["peak memory"] = gib(s["peak_memory_bytes"]) + (f" ({source})" if source else "")
-    if finite(s.get("compiled_temp_bytes")):
-        rows["compiled step: temporaries / total"] = (f"{gib(s['compiled_temp_bytes'], 3)} / "
-                                                      f"{gib(s.get('compiled_total_bytes'), 3)}")
+    _number_rows(rows, _TIMING_ROWS, s)
     if path in DROPLESS_PATHS:
         rows["dropped token copies"] = "none (dropless path)"
     elif finite(s.get("dropped_fraction_mean")):
         rows["dropped token copies"] = f"{100 * s['dropped_fraction_mean']:.1f} % (mean over steps)"
-    if finite(s.get("load_max_over_mean_mean")):
-        rows["expert load max / mean"] = f"{s['load_max_over_mean_mean']:.2f} (mean over all steps; 1 = balanced)"
-    if finite(s.get("params_total")):
-        rows["parameters total / active"] = f"{s['params_total'] / 1e6:,.2f} M / {s['params_active'] / 1e6:,.2f} M"
-    if finite(s.get("flops_per_token")):
-        rows["training GFLOP/token"] = f"{s['flops_per_token'] / 1e9:.4f}"
+    _number_rows(rows, _MODEL_ROWS, s)
     if finite(s.get("per_device_batch")) and finite(s.get("seq_len")):
         rows["batch x sequence (per device)"] = f"{s['per_device_batch']} x {s['seq_len']}"
     if s.get("resumed_from_step"):
