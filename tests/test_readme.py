@@ -199,3 +199,9 @@ def test_cpu_commands_and_training_snippet_run_as_written(workdir, monkeypatch):
     (snippet,) = [s for s in python_snippets() if "from turbo_moe.train import" in s]
     done = run([sys.executable, "-c", snippet], workdir)
     assert done.stdout.strip().splitlines()[-1].split()[0] == "ok", done.stdout[-2000:]
+
+
+def test_the_readme_stays_within_12000_bytes():
+    """The README is for users: measurements go to the results store, reasoning to docs/ (the house limit)."""
+    size = len(README.encode())
+    assert size <= 12_000, f"README.md is {size} bytes; move detail to docs/ (limit 12,000)"
