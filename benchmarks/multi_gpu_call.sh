@@ -14,8 +14,8 @@
 # The one-GPU A/B beside ep2: AB_A and AB_B are TrainConfig JSON files (unset: none), one pair on each of GPUs 2
 # and 3 in opposite orders (AB_TWICE=1: two pairs).
 # Carry build/lead_lib (the kernels for sm_90a, see benchmarks/gpu_env.sh).
-#   PHASES="train:1 train:2 train:4 ep2" EP_TRAIN=benchmarks/configs/ep_train/reduced.json \
-#     bash benchmarks/multi_gpu_call.sh
+#   echo '{"model": "reduced", "dataset": "synthetic", "steps": 30}' > /tmp/ep_train.json
+#   PHASES="train:1 train:2 train:4 ep2" EP_TRAIN=/tmp/ep_train.json bash benchmarks/multi_gpu_call.sh
 set -u
 : "${OUT:?OUT must name the folder for the results}"
 source benchmarks/gpu_env.sh
