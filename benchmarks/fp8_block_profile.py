@@ -29,12 +29,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _trace_categories as tcat  # noqa: E402
 from _records import write_table_and_record  # noqa: E402
-from fp8_expert_path import CASES, balanced_ids, block_fwd_bwd, block_prepared_fwd_bwd  # noqa: E402
+from fp8_expert_path import CASES, balanced_ids, block_fwd_bwd, block_prepared_fwd_bwd, block_weights  # noqa: E402
 
 from turbo_moe.ops.fp8_scaling import fp8_weights  # noqa: E402
 
@@ -100,15 +99,13 @@ def profile(fn, args, warmup: int, calls: int) -> dict[str, float]:
 
 
 def block_inputs(case, prepared: bool):
+    """fp8_expert_path's block inputs for `case` (the same keys), the weights as `fp8_weights` when prepared."""
     keys = jax.random.split(jax.random.PRNGKey(case.M + case.G), 6)
     x = jax.random.normal(keys[0], (case.T, case.K), jnp.bfloat16)
-    ids = jnp.asarray(balanced_ids(case))
-    w_gate_up = jax.random.normal(keys[3], (case.G, case.K, 2 * case.F), jnp.bfloat16) / float(np.sqrt(case.K))
-    w_down = jax.random.normal(keys[4], (case.G, case.F, case.K), jnp.bfloat16) / float(np.sqrt(case.F))
+    w_gate_up, w_down, combine_w, dy = block_weights(case, keys)
     if prepared:
         w_gate_up, w_down = jax.jit(fp8_weights)(w_gate_up), jax.jit(fp8_weights)(w_down)
-    combine_w = jax.nn.softmax(jax.random.normal(keys[5], (case.T, case.k)), axis=-1)
-    return x, ids, combine_w, w_gate_up, w_down, jnp.ones((case.T, case.K), jnp.bfloat16)
+    return x, jnp.asarray(balanced_ids(case)), combine_w, w_gate_up, w_down, dy
 
 
 def main():

@@ -252,12 +252,17 @@ def permute_gemm_units(timer, case: Case, args, rows, table, inputs, base, reps,
     write(rows, table, args)
 
 
-def block_units(timer, case: Case, args, rows, table, x, ids, base, reps, keys):
-    # the whole expert block: D = K, gate/up (G, D, 2F), down (G, F, D)
+def block_weights(case: Case, keys):
+    """The whole expert block's inputs beside tokens and ids: D = K, gate/up (G, D, 2F), down (G, F, D), combine
+    weights (T, k) and the output's cotangent (T, D)."""
     w_gate_up = jax.random.normal(keys[3], (case.G, case.K, 2 * case.F), jnp.bfloat16) / float(np.sqrt(case.K))
     w_down = jax.random.normal(keys[4], (case.G, case.F, case.K), jnp.bfloat16) / float(np.sqrt(case.F))
     combine_w = jax.nn.softmax(jax.random.normal(keys[5], (case.T, case.k)), axis=-1)
-    dy = jnp.ones((case.T, case.K), jnp.bfloat16)
+    return w_gate_up, w_down, combine_w, jnp.ones((case.T, case.K), jnp.bfloat16)
+
+
+def block_units(timer, case: Case, args, rows, table, x, ids, base, reps, keys):
+    w_gate_up, w_down, combine_w, dy = block_weights(case, keys)
     block_flops = 3 * 6.0 * case.M * case.K * case.F
     sets = {"turbo": "turbo", "fp8": "fp8", "fp8_wgrad_fp8": with_weight_grad("fp8"),
             "fp8_wgrad_bf16": with_weight_grad("bf16")}

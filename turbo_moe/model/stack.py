@@ -133,13 +133,17 @@ def cast_at_use_paths(blocks: nnx.Module, dtype) -> set[tuple]:
     """State paths of the weights the block casts to `dtype` at use: the kernels (and biases) of the
     nnx.Linear layers computing in `dtype` and the routed experts' weights (`paths.moe_path_fn` and
     the EP paths cast them to the tokens' dtype). Norm scales and the float32 router gate stay out."""
-    paths = set()
+    paths = routed_expert_paths(blocks)
     for path, node in nnx.iter_graph(blocks):
         if isinstance(node, nnx.Linear) and node.dtype is not None and jnp.dtype(node.dtype) == dtype:
             paths |= {(*path, "kernel"), (*path, "bias")}
-        elif isinstance(node, RoutedExperts):
-            paths |= {(*path, "w_gate_up"), (*path, "w_down")}
     return paths
+
+
+def routed_expert_paths(blocks: nnx.Module) -> set[tuple]:
+    """State paths of the routed experts' weights (w_gate_up, w_down) in `blocks`."""
+    return {(*path, name) for path, node in nnx.iter_graph(blocks) if isinstance(node, RoutedExperts)
+            for name in ("w_gate_up", "w_down")}
 
 
 def stacked_cast_paths(model: nnx.Module, dtype) -> set[tuple]:
@@ -166,8 +170,7 @@ def quantize_stacked_experts(blocks: nnx.Module, state):
     the scan: the FP8 path's forward and backward (and a remat's recomputation) of every layer then read the blocks
     made here instead of quantising each weight at each use (once a step instead of two to three times a layer). The
     values and gradients are those of quantising at each use: the same blocks, the gradient to the weight."""
-    experts = {path for path, node in nnx.iter_graph(blocks) if isinstance(node, RoutedExperts)}
-    weights = {(*path, name) for path in experts for name in ("w_gate_up", "w_down")}
+    weights = routed_expert_paths(blocks)
     flat = [(path, var.replace(fp8_weights(var.get_value())) if path in weights else var)
             for path, var in nnx.to_flat_state(state)]
     return nnx.from_flat_state(flat)

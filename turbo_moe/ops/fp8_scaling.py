@@ -26,7 +26,10 @@ F32 = jnp.dtype(jnp.float32)
 
 
 def fp8_dtype(name: str, dtype) -> jnp.dtype:
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:  # not a dtype at all: named in the error as given
+        dtype = repr(dtype)
     if dtype not in FP8_DTYPES:
         raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {dtype}")
     return dtype

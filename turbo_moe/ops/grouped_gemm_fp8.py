@@ -161,12 +161,16 @@ FP8_WEIGHT_GRAD_MIN_WIDTH = 4096  # min(K, N)
 FP8_WEIGHT_GRAD_MIN_ROWS_PER_GROUP = 1024  # M / G
 
 
+def _check_weight_grad(weight_grad: str) -> None:
+    if weight_grad not in WEIGHT_GRADS:
+        raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
+
+
 def weight_grad_in_fp8(m: int, k: int, n: int, n_groups: int, weight_grad: str = "auto") -> bool:
     """Whether the weight gradient of an (M, K) x (G, K, N) FP8 GEMM runs in FP8: `weight_grad` "fp8" / "bf16", or
     "auto": FP8 where it measured faster (min(K, N) >= FP8_WEIGHT_GRAD_MIN_WIDTH and M / G >=
     FP8_WEIGHT_GRAD_MIN_ROWS_PER_GROUP), bf16 elsewhere."""
-    if weight_grad not in WEIGHT_GRADS:
-        raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
+    _check_weight_grad(weight_grad)
     if weight_grad != "auto":
         return weight_grad == "fp8"
     return min(k, n) >= FP8_WEIGHT_GRAD_MIN_WIDTH and m >= FP8_WEIGHT_GRAD_MIN_ROWS_PER_GROUP * n_groups
@@ -219,8 +223,7 @@ def _check_rhs(k: int, lhs_name: str, lhs_shape, rhs, group_sizes) -> None:
 def _check_options(impl: str, weight_grad: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if weight_grad not in WEIGHT_GRADS:
-        raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
+    _check_weight_grad(weight_grad)
 
 
 def grouped_gemm_fp8(lhs, rhs, group_sizes, *, preferred_element_type=None, grad_dtype=E4M3, weight_grad="auto",

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 
 from turbo_moe.ops import _checks
 from turbo_moe.ops._ffi import ffi_call
-from turbo_moe.ops.fp8_scaling import E4M3, FP8_DTYPES
+from turbo_moe.ops.fp8_scaling import BLOCK as TILE  # the scale tile along K
+from turbo_moe.ops.fp8_scaling import E4M3, fp8_dtype
 from turbo_moe.ops.grouped_gemm import _check_array as check_array
-
-TILE = 128  # the scale tile along K
 
 
 def quantize_rows(x, dtype=E4M3):
@@ -45,13 +44,7 @@ def quantize_rows(x, dtype=E4M3):
     k = x.shape[-1]
     if k == 0 or k % TILE:
         raise ValueError(f"x (..., M, K) must have K a positive multiple of {TILE} (the FP8 scale tiles), got K={k}")
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        dtype = repr(dtype)
-    if dtype not in FP8_DTYPES:
-        raise TypeError(f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    return quantize_rows_call(x, dtype)
+    return quantize_rows_call(x, fp8_dtype("dtype", dtype))
 
 
 def quantize_rows_call(x, dtype):
