@@ -64,5 +64,5 @@ class RoutedExperts(nnx.Module):
 
     def weights(self) -> ExpertWeights:
         # get_value, not [...]: a layer stack may have replaced the values by `ops.fp8_weights` pytrees
-        # (`stack.cast_stacked_weights`), which cannot be indexed
+        # (`stack.quantize_stacked_experts`), which cannot be indexed
         return ExpertWeights(self.w_gate_up.get_value(), self.w_down.get_value())
