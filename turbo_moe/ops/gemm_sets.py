@@ -18,7 +18,8 @@ A set holds the forward GEMM, its data and weight gradients and, optionally, the
 - `pallas`: jax's Pallas Mosaic-GPU `ragged_dot_mgpu` (`pallas_gemm`; Hopper only).
 - `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None (dense_cf).
 - `fp8`: `grouped_gemm_fp8` (E4M3 with DeepSeek-V3's 1x128 / 128x128 scales; the CUTLASS kernel on Hopper, exact
-  emulation elsewhere), gradients in FP8 through its VJP; K and N multiples of 128. Its permute_forward quantises the
+  emulation elsewhere), gradients through its VJP (data gradients in FP8, weight gradients in FP8 or bf16 by its
+  measured per-shape rule); K and N multiples of 128. Its permute_forward quantises the
   rows in the permute's copy (`permute_fp8`); the down GEMM's input (SwiGLU's output, by XLA) is quantised by
   `quantize_rows`; the block's backward runs SwiGLU's gradient in one kernel pass (`swiglu_backward_kernel`); weights
   may come as `fp8_weights`, made once a step (docs/notes/fp8.md).
