@@ -110,11 +110,15 @@ def train_config(args, spec: RunSpec, until: int, state_dir: Path):
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
+    ckpt = state_dir / spec.label / "ckpt"
+    # a chunk that trains a run from its start to its end saves nothing: its record is the result, and a `reduced`
+    # checkpoint is ~17 GB of disk written at the end of the chunk (one a resumed run still restores from)
+    needs_ckpt = until < total_steps(args) or ckpt.exists()
     return TrainConfig(model=args.model, model_overrides=overrides, dataset=args.dataset, per_device_batch=args.batch,
                        seq_len=args.seq, steps=until, lr_schedule_steps=total_steps(args), learning_rate=args.lr,
                        warmup_steps=args.warmup, eval_every=args.eval_every, eval_batches=args.eval_batches,
-                       seed=spec.seed, checkpoint_dir=str(state_dir / spec.label / "ckpt"), checkpoint_every=0,
-                       keep_checkpoints=1, resume=True, progress=False)
+                       seed=spec.seed, checkpoint_dir=str(ckpt) if needs_ckpt else None, checkpoint_every=0,
+                       keep_checkpoints=1, resume=needs_ckpt, progress=False)
 
 
 def eval_points(history: list[dict], tokens_per_step: int, eval_every: int, total: int) -> list[dict]:

@@ -219,3 +219,16 @@ def test_report_draws_the_drop_penalty_from_the_store(tmp_path):
     summary = report.ReportSummary(tmp_path / "figures")
     assert report.draw("drop_penalty", report.figure_builders(data)["drop_penalty"], tmp_path / "figures", summary)
     assert (tmp_path / "figures" / "drop_penalty.png").stat().st_size > 20_000
+
+
+def test_a_whole_run_in_one_chunk_saves_no_checkpoint(tmp_path):
+    args = bench.argparse.Namespace(vocab=256, smoke=True, override=[], model="tiny", dataset="synthetic", batch=2,
+                                    seq=64, tokens=64 * 2 * 10, lr=1e-3, warmup=2, eval_every=5, eval_batches=1)
+    spec = bench.plan([("turbo", 0.0)], [0], "turbo")[0]
+    whole = bench.train_config(args, spec, until=10, state_dir=tmp_path)
+    assert whole.checkpoint.dir is None and not whole.checkpoint.resume
+    part = bench.train_config(args, spec, until=6, state_dir=tmp_path)  # a later chunk restores from it
+    assert part.checkpoint.dir == str(tmp_path / spec.label / "ckpt") and part.checkpoint.resume
+    (tmp_path / spec.label / "ckpt").mkdir(parents=True)  # the last chunk of a resumed run restores, then saves
+    last = bench.train_config(args, spec, until=10, state_dir=tmp_path)
+    assert last.checkpoint.dir == str(tmp_path / spec.label / "ckpt") and last.checkpoint.resume

