@@ -1,6 +1,8 @@
 """permute_fp8's CUDA kernel (the permute's row copy writing FP8 E4M3 rows and 1x128 scales) bit for bit against the
 jnp quantiser of permute's rows, on the CPU and on the GPU; the FP8 op on those rows (Hopper) bit for bit against the
-op quantising the rows itself, and the fp8 expert block with and without the fused permute. Skipped without a GPU."""
+op quantising the rows itself, and the fp8 expert block with and without the fused permute. permute_rows_fp8_call's
+kernel (the backward's rows and their FP8 codes in one pass) bit for bit against its CPU handler, at the backward's
+sizes, over poisoned outputs. Skipped without a GPU."""
 import dataclasses
 
 import jax
@@ -21,7 +23,8 @@ if GPU is not None:
     from turbo_moe import ops
     from turbo_moe.ops import GEMM_SETS, permute, permute_fp8
     from turbo_moe.ops.grouped_gemm_fp8 import quantize_rows
-    from turbo_moe.ops.permute_fp8 import permute_fp8_call
+    from turbo_moe.ops.permute import permute_rows_call
+    from turbo_moe.ops.permute_fp8 import permute_fp8_call, permute_rows_fp8_call
 
 CPU = jax.devices("cpu")[0]
 
@@ -34,7 +37,7 @@ CASES = {  # name: (T, H, k, E)
 
 def bits(a):
     a = np.asarray(a)
-    return a.view(np.uint8 if a.dtype.itemsize == 1 else np.uint32)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 def routed(case, dtype):
@@ -130,3 +133,116 @@ def test_fp8_block_with_the_fused_permute_changes_no_bit():
     got, want = grads(fused), grads(dataclasses.replace(fused, permute_forward=None))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+# ---- permute_rows_fp8_call: the backward's rows and FP8 codes in one pass -----------------------------------------
+
+FP8 = {"e4m3": jnp.dtype(jnp.float8_e4m3fn), "e5m2": jnp.dtype(jnp.float8_e5m2)}
+ROWS_CASES = {  # name: (T, H, k, E)
+    "d1280_k6": (16384, 1280, 6, 64),
+    "dsv3_k8": (8192, DEEPSEEK_V3.d_model, 8, 256),
+    "odd": (1001, 640, 3, 7),            # 5 tiles a row, T not a multiple of the 8 copies of a block
+}
+
+
+def backward_operands(case, dtype, seed=0):
+    """d_y (T, H) made on the GPU (magnitudes over 16 binades within a tile, tile exponents over 40, zero rows) and
+    the row index and group sizes of a permute: an empty expert, dropped copies, one expert taking ~1/4 of them."""
+    t, h, k, e = ROWS_CASES[case]
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = (jax.random.normal(keys[0], (t, h)) * jnp.exp2(jax.random.randint(keys[1], (t, h), -8, 8).astype(jnp.float32))
+         * jnp.repeat(jnp.exp2(jax.random.randint(keys[2], (t, h // 128), -20, 20).astype(jnp.float32)), 128, axis=1))
+    x = x.at[::97].set(0.0).astype(dtype)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, e, (t, k))
+    ids[ids == 2] = 3                      # an empty expert
+    ids[rng.random((t, k)) < 0.25] = 5     # a skewed one
+    ids[::7, 0] = -1                       # dropped copies: rows past sum(group_sizes)
+    _, group_sizes, handle = jax.jit(permute, static_argnums=2)(x, jnp.asarray(ids, jnp.int32), e)
+    return jax.device_put(x, GPU), handle.row_index, group_sizes
+
+
+def poisoned(shape, dtype):
+    """All-ones bits on the GPU: NaN in every float lane, never a result of finite inputs."""
+    width = jnp.dtype(dtype).itemsize
+    raw = jnp.full(shape, (1 << (8 * width)) - 1, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width])
+    return jax.device_put(jax.lax.bitcast_convert_type(raw, dtype), GPU).block_until_ready()
+
+
+def rows_fp8_over_poison(x, row_index, group_sizes, fp8, zero_tail):
+    """permute_rows_fp8_call on the GPU with its outputs in donated poisoned buffers (the pointers are checked), so
+    any element it left unwritten shows as all-ones bits."""
+    n, h = row_index.size, x.shape[1]
+    outs = (poisoned((n, h), x.dtype), poisoned((n, h), fp8), poisoned((n, h // 128), jnp.float32))
+    pointers = tuple(o.unsafe_buffer_pointer() for o in outs)
+    run = jax.jit(lambda r0, q0, s0, a, ri, gs: permute_rows_fp8_call(a, ri, gs, zero_tail, fp8),
+                  donate_argnums=(0, 1, 2), keep_unused=True)
+    assert "turbo_moe_permute_rows_fp8" in run.lower(*outs, x, row_index, group_sizes).as_text()
+    got = run(*outs, x, row_index, group_sizes)
+    assert tuple(o.unsafe_buffer_pointer() for o in got) == pointers, "outputs not in the poisoned buffers"
+    assert all(o.devices() == {GPU} for o in got)
+    return got
+
+
+def rows_fp8_on_cpu(x, row_index, group_sizes, fp8, zero_tail=True):
+    """The CPU handler (tests/ops/test_permute_fp8.py checks it against permute_rows and the jnp quantiser)."""
+    args = [jax.device_put(a, CPU) for a in (x, row_index, group_sizes)]
+    return jax.jit(permute_rows_fp8_call, static_argnums=(3, 4))(*args, zero_tail, fp8)
+
+
+def assert_rows_fp8_equal(got, want, valid):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(bits(g[:valid]), bits(w[:valid]))
+
+
+@pytest.mark.parametrize("case", ["d1280_k6", "dsv3_k8"])
+def test_rows_fp8_kernel_matches_the_cpu_handler_at_the_backwards_sizes(case):
+    x, row_index, group_sizes = backward_operands(case, jnp.bfloat16)
+    got = rows_fp8_over_poison(x, row_index, group_sizes, FP8["e4m3"], zero_tail=True)
+    valid = int(group_sizes.sum())
+    assert 0 < valid < row_index.size and int(group_sizes[2]) == 0
+    # every row, the tail included (a zero row and q 0, scale 1 on both); the CPU never writes all-ones bits
+    assert_rows_fp8_equal(got, rows_fp8_on_cpu(x, row_index, group_sizes, FP8["e4m3"]), row_index.size)
+    assert not np.isnan(np.asarray(got[0][:valid], np.float32)).any()
+
+
+@pytest.mark.parametrize("zero_tail", [True, False])
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_rows_fp8_kernel_every_dtype_and_format(dtype, fp8, zero_tail):
+    x, row_index, group_sizes = backward_operands("odd", dtype, seed=1)
+    got = rows_fp8_over_poison(x, row_index, group_sizes, FP8[fp8], zero_tail)
+    valid = int(group_sizes.sum())
+    want = rows_fp8_on_cpu(x, row_index, group_sizes, FP8[fp8], zero_tail)
+    assert_rows_fp8_equal(got, want, row_index.size if zero_tail else valid)
+    # the rows the CPU checks bit for bit against permute_rows' and the jnp quantiser's, so the GPU's equal those
+    np.testing.assert_array_equal(bits(got[0][:valid]), bits(jax.jit(permute_rows_call)(
+        jax.device_put(x, CPU), jax.device_put(row_index, CPU), jax.device_put(group_sizes, CPU))[:valid]))
+    if not zero_tail:  # rows past the groups are left unwritten: the poison is still there
+        assert all(np.all(bits(o[valid:]) == np.iinfo(bits(o).dtype).max) for o in got)
+
+
+def test_rows_fp8_no_tokens_and_every_copy_dropped():
+    rows, q, scale = jax.jit(permute_rows_fp8_call)(jnp.zeros((0, 256), jnp.bfloat16), jnp.zeros((0, 6), jnp.int32),
+                                                    jnp.zeros((4,), jnp.int32))
+    assert rows.shape == q.shape == (0, 256) and scale.shape == (0, 2) and rows.devices() == {GPU}
+    x, _, _ = backward_operands("odd", jnp.bfloat16)
+    row_index, group_sizes = jnp.full((x.shape[0], 3), -1, jnp.int32), jnp.zeros((7,), jnp.int32)
+    rows, q, scale = rows_fp8_over_poison(x, row_index, group_sizes, FP8["e4m3"], zero_tail=True)
+    assert not bits(rows).any() and not bits(q).any() and np.all(np.asarray(scale) == 1.0)
+
+
+def test_rows_fp8_in_a_scanned_loop():
+    """Each iteration copies new rows (XLA may record the call into a command buffer it replays)."""
+    x, row_index, group_sizes = backward_operands("odd", jnp.bfloat16, seed=2)
+    xs = jnp.stack([x, -x, x * 0.5])
+
+    def body(carry, a):
+        rows, q, scale = permute_rows_fp8_call(a, row_index, group_sizes)
+        return carry + scale.sum(), (rows, q, scale)
+
+    _, got = jax.jit(lambda a: jax.lax.scan(body, jnp.float32(0), a))(xs)
+    for i in range(xs.shape[0]):
+        assert_rows_fp8_equal([o[i] for o in got], rows_fp8_on_cpu(xs[i], row_index, group_sizes, FP8["e4m3"]),
+                              row_index.size)

@@ -27,6 +27,7 @@ TARGETS = (
     "turbo_moe_permute",
     "turbo_moe_permute_rows",
     "turbo_moe_permute_fp8",
+    "turbo_moe_permute_rows_fp8",
     "turbo_moe_quantize_group_columns",
     "turbo_moe_quantize_rows",
     "turbo_moe_unpermute",
