@@ -14,7 +14,8 @@ CPU handlers always; CUDA handlers when built.
   copy step again for new rows (its row index and group sizes known); permute_fp8: the permute writing FP8 rows
   with their 1x128 scales (grouped_gemm_fp8_quantized's lhs), quantised in the copy;
   quantize_group_columns: the FP8 weight gradient's operands, per 128x1 tile within each group, transposed;
-  quantize_rows: activations in FP8 per 1x128 tile (the jnp fp8_scaling.quantize_rows as one kernel).
+  quantize_rows: activations in FP8 per 1x128 tile (the jnp fp8_scaling.quantize_rows as one kernel);
+  swiglu_quantize: SwiGLU(h) written in FP8 per 1x128 tile in one pass (quantize_rows of act; no VJP).
 - moe_dispatch / moe_combine: expert-parallel (shard_map) dispatch/combine with static buffers.
 - router_topk: the router's group-limited top-k with the causal sequence load penalty fused in.
 - segment_sum: rows summed by id, sorted and deterministic (no atomics): drop-in for jax.ops.segment_sum.
@@ -36,6 +37,7 @@ from turbo_moe.ops.permute import PermuteHandle, permute, permute_rows
 from turbo_moe.ops.permute_fp8 import permute_fp8, permute_rows_fp8
 from turbo_moe.ops.quantize_group_columns import quantize_group_columns
 from turbo_moe.ops.quantize_rows import quantize_rows
+from turbo_moe.ops.swiglu_quantize import swiglu_quantize
 from turbo_moe.ops.ragged_exchange import ExchangePlan, ragged_exchange
 from turbo_moe.ops.router_topk import router_topk
 from turbo_moe.ops.segment_sum import segment_sum
@@ -63,6 +65,7 @@ __all__ = [
     "permute_rows_fp8",
     "quantize_group_columns",
     "quantize_rows",
+    "swiglu_quantize",
     "unpermute",
     "PermuteHandle",
     "moe_dispatch",
