@@ -1,12 +1,17 @@
 """swiglu_combine_grad: d_h, the combine weights' gradient and act * w against float64 and against the XLA
 expressions the expert block used before it (the same roundings); act * w bit for bit the forward kernel's act
-times w; edge rows, leading dims, bad input."""
+times w; edge rows, leading dims, bad input. swiglu_combine_grad_fp8: those three outputs bit for bit, and d_h's
+FP8 copy bit for bit the jnp quantiser's of it (a tile across [d_gate | d_up] included), both formats, valid rows,
+leading dims and vmap, bad input and the C++ contract's messages."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turbo_moe.ops import grouped_gemm_swiglu, swiglu_combine_grad
+from turbo_moe.ops import grouped_gemm_swiglu, swiglu_combine_grad, swiglu_combine_grad_fp8
+from turbo_moe.ops.fp8_scaling import quantize_rows as quantize_rows_xla
 from turbo_moe.ops.grouped_gemm_swiglu import swiglu_grad
 
 
@@ -100,3 +105,140 @@ def test_valid_rows_computes_the_leading_rows_of_each_problem():
         swiglu_combine_grad(h, g, w, jnp.int32(3))
     with pytest.raises(TypeError, match="valid_rows"):
         swiglu_combine_grad(h, g, w, jnp.asarray([3.0, 1.0]))
+
+
+# ---- swiglu_combine_grad_fp8: d_h also quantised per 1x128 tile in the same pass ----------------------------------
+FP8 = {"e4m3": jnp.dtype(jnp.float8_e4m3fn), "e5m2": jnp.dtype(jnp.float8_e5m2)}
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def skewed_inputs(seed, rows, F, dtype, lead=()):
+    """`_inputs` with g scaled per 64 columns over 2^-spread..2^spread (tiles of d_h with unequal scales, the two
+    halves of a tile across [d_gate | d_up] unequal too), zero-weight rows (zero rows of d_h: scale 1, codes +-0) and
+    a block of 64 zeros in g."""
+    h, g, w = _inputs(seed, rows, F, dtype, lead)
+    spread = 4 if dtype == jnp.float16 else 12
+    exps = np.random.default_rng(seed).integers(-spread, spread + 1, lead + (rows, F // 64))
+    g = (g.astype(jnp.float32) * jnp.repeat(jnp.exp2(jnp.asarray(exps, jnp.float32)), 64, axis=-1)).astype(dtype)
+    g = g.at[..., 1, :64].set(0.0)
+    return h, g, w.at[..., ::5].set(0.0)
+
+
+def quantized_reference(d_h, fp8):
+    """The jnp quantiser on d_h's rows: (..., M, 2F) -> q, scale of d_h's leading dims."""
+    q, scale = jax.jit(quantize_rows_xla, static_argnums=1)(d_h.reshape(-1, d_h.shape[-1]), fp8)
+    return q.reshape(d_h.shape), scale.reshape(d_h.shape[:-1] + (-1,))
+
+
+def assert_fp8_call_matches(h, g, w, fp8=FP8["e4m3"], valid_rows=None):
+    """The five outputs: the three shared ones bit for bit swiglu_combine_grad's, the quantised pair bit for bit the
+    jnp quantiser's of that d_h, on the valid rows of each problem."""
+    d_h, d_h_q, d_h_scale, d_w, act_w = jax.jit(swiglu_combine_grad_fp8, static_argnums=4)(h, g, w, valid_rows, fp8)
+    assert d_h_q.shape == h.shape and d_h_q.dtype == fp8
+    assert d_h_scale.shape == h.shape[:-1] + (h.shape[-1] // 128,) and d_h_scale.dtype == jnp.float32
+    want = jax.jit(swiglu_combine_grad)(h, g, w, valid_rows)
+    q_ref, scale_ref = quantized_reference(want[0], fp8)
+    lead, M = h.shape[:-2], h.shape[-2]
+    valid = np.broadcast_to(M if valid_rows is None else np.asarray(valid_rows), lead)
+    for idx in np.ndindex(*lead):
+        n = int(valid[idx])
+        for got, ref in zip((d_h, d_w, act_w, d_h_q, d_h_scale), (*want, q_ref, scale_ref)):
+            np.testing.assert_array_equal(bits(got[idx][:n]), bits(ref[idx][:n]))
+    return d_h, d_h_q, d_h_scale, d_w, act_w
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows,F", [(97, 512), (45, 192), (13, 2048), (3, 64)])  # 192, 64: a tile across gate|up
+def test_fp8_is_swiglu_combine_grad_and_quantize_rows_of_its_d_h(rows, F, dtype):
+    h, g, w = skewed_inputs(rows + F, rows, F, dtype)
+    d_h, d_h_q, d_h_scale, _, _ = assert_fp8_call_matches(h, g, w)
+    assert not np.asarray(d_h_q[0], np.float32).any() and np.all(np.asarray(d_h_scale[0]) == 1.0)  # w = 0: zeros
+    # dequantised: within e4m3's rounding of d_h (half its 2^-3 spacing, or of its subnormal step 2^-9 x scale)
+    scale = np.repeat(np.asarray(d_h_scale, np.float64), 128, axis=-1)
+    err = np.abs(np.asarray(d_h_q, np.float64) * scale - np.asarray(d_h, np.float64))
+    assert np.all(err <= 2**-4 * np.abs(np.asarray(d_h, np.float64)) + 2**-10 * scale)
+
+
+def test_fp8_tile_across_the_gate_up_boundary():
+    """F = 64 * 3: tile 1 holds d_gate[128:192] and d_up[0:64]; its scale is the larger half's amax / 448."""
+    rows, F = 11, 192
+    h, g, w = _inputs(7, rows, F, jnp.float32)
+    g = g.at[:, :64].multiply(2.0**10)  # d_up[0:64] (and d_gate[0:64]) ~1000x the rest
+    d_h, _, d_h_scale, _, _ = assert_fp8_call_matches(h, g, w)
+    d_h = np.asarray(d_h)
+    np.testing.assert_array_equal(np.asarray(d_h_scale[:, 1]), np.abs(d_h[:, 128:256]).max(-1) * np.float32(1 / 448))
+    assert np.all(np.abs(d_h[:, 192:256]).max(-1) > np.abs(d_h[:, 128:192]).max(-1))  # the up half sets it
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+def test_fp8_formats_and_a_single_row(fp8):
+    h, g, w = skewed_inputs(3, 29, 320, jnp.bfloat16)  # F = 64 * 5: tile 2 across the boundary
+    assert_fp8_call_matches(h, g, w, FP8[fp8])
+    one = swiglu_combine_grad_fp8(h[4], g[4], w[4], dtype=FP8[fp8])
+    full = swiglu_combine_grad_fp8(h, g, w, dtype=FP8[fp8])
+    for a, b in zip(one, full):
+        np.testing.assert_array_equal(bits(a), bits(b[4]))
+
+
+def test_fp8_valid_rows_and_leading_dims():
+    """(2, 3) problems of 21 rows with counts 0, < M and M: valid rows bit for bit; the rest NaN on the CPU."""
+    h, g, w = skewed_inputs(11, 21, 192, jnp.bfloat16, lead=(2, 3))
+    valid = jnp.asarray([[21, 0, 5], [13, 21, 1]], jnp.int32)
+    out = assert_fp8_call_matches(h, g, w, valid_rows=valid)
+    if jax.default_backend() == "cpu":
+        for a in (np.asarray(a, np.float32) for a in out):  # FP8 codes 0xFF are NaN in both formats
+            assert np.isnan(a[0, 1]).all() and np.isnan(a[1, 0, 13:]).all() and np.isnan(a[0, 2, 5:]).all()
+    vmapped = jax.vmap(swiglu_combine_grad_fp8)(h, g, w, valid)
+    for a, b in zip(vmapped, out):
+        for idx in np.ndindex(2, 3):
+            n = int(valid[idx])
+            np.testing.assert_array_equal(bits(a[idx][:n]), bits(b[idx][:n]))
+    none = swiglu_combine_grad_fp8(h, g, w, jnp.zeros((2, 3), jnp.int32))  # zero valid rows anywhere: runs
+    assert all(a.shape == b.shape for a, b in zip(none, out))
+
+
+def test_fp8_bad_input_names_the_argument():
+    h, g, w = _inputs(0, 8, 64, jnp.float32)
+    with pytest.raises(ValueError, match=r"h \(\.\.\., 2F\) must have 2F a positive multiple of 128"):
+        swiglu_combine_grad_fp8(h[:, :64], g[:, :32], w)  # F = 32
+    with pytest.raises(ValueError, match="2F a positive multiple"):
+        swiglu_combine_grad_fp8(h[:, :0], g[:, :0], w)
+    with pytest.raises(TypeError, match="dtype must be float8_e4m3fn or float8_e5m2"):
+        swiglu_combine_grad_fp8(h, g, w, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="g must be"):
+        swiglu_combine_grad_fp8(h, g[:, :32], w)
+    with pytest.raises(ValueError, match="w must be"):
+        swiglu_combine_grad_fp8(h, g, w[:7])
+    with pytest.raises(TypeError, match="g must have h's dtype"):
+        swiglu_combine_grad_fp8(h, g.astype(jnp.bfloat16), w)
+    with pytest.raises(TypeError, match="h must be bfloat16, float16 or float32"):
+        swiglu_combine_grad_fp8(h.astype(jnp.int32), g.astype(jnp.int32), w)
+    with pytest.raises(ValueError, match="valid_rows must be"):
+        swiglu_combine_grad_fp8(h, g, w, jnp.int32(3)[None])
+    with pytest.raises(TypeError, match="valid_rows"):
+        swiglu_combine_grad_fp8(h, g, w, jnp.float32(3.0))
+
+
+@pytest.mark.parametrize("results,message", [
+    (dict(q=(8, 128, jnp.bfloat16)), "swiglu_combine_grad_fp8: d_h_q must be float8_e4m3fn or float8_e5m2"),
+    (dict(scale=(8, 2, jnp.float32)), "swiglu_combine_grad_fp8: expected results d_h_q [..., M, 2F] and d_h_scale"),
+    (dict(scale=(8, 2, jnp.float16)), "swiglu_combine_grad_fp8: d_h_scale must be float32"),
+    (dict(F=32), "swiglu_combine_grad_fp8: h's 2F must be a positive multiple of 128 (the FP8 scale tiles), got 2F=64"),
+    (dict(d_w=(7,)), "swiglu_combine_grad: d_h must be shaped like h and d_w like w"),
+])
+def test_fp8_handler_refuses_with_the_contract_message(results, message):
+    """The C++ contract (kernels/contracts/swiglu_combine_grad.h) behind the Python checks, called directly."""
+    from turbo_moe.ops._ffi import ffi_call
+    F = results.get("F", 64)
+    h, g, w = _inputs(0, 8, F, jnp.float32)
+    spec = jax.ShapeDtypeStruct
+    q = results.get("q", (8, 2 * F, jnp.float8_e4m3fn))
+    scale = results.get("scale", (8, max(2 * F // 128, 1), jnp.float32))
+    outs = (spec(h.shape, h.dtype), spec(results.get("d_w", (8,)), jnp.float32), spec(g.shape, g.dtype),
+            spec(q[:2], q[2]), spec(scale[:2], scale[2]))
+    with pytest.raises(Exception, match=re.escape(message)):
+        jax.block_until_ready(ffi_call("turbo_moe_swiglu_combine_grad_fp8", outs, h, g, w, jnp.int32(8)))

@@ -6,7 +6,8 @@ CPU handlers always; CUDA handlers when built.
   grouped_gemm_fp8: the grouped GEMM in FP8 with DeepSeek-V3's 1x128 / 128x128 scaling (Hopper kernel, emulated
   elsewhere); fp8_weights: its weights' FP8 blocks made once (an Fp8Weights it takes in place of the weight);
   grouped_gemm_swiglu: the gate/up GEMM and SwiGLU of an expert FFN, both outputs from one call;
-  swiglu_combine_grad: SwiGLU's backward, the combine weights' gradient and act * w in one pass (no VJP of its own).
+  swiglu_combine_grad: SwiGLU's backward, the combine weights' gradient and act * w in one pass (no VJP of its own);
+  swiglu_combine_grad_fp8: the same, also writing d_h in FP8 per 1x128 tile (the FP8 data gradient's lhs).
 - expert_block: a MoE layer's routed experts as one op (permute -> SwiGLU FFN -> unpermute, one custom VJP) for any
   GEMM set (GemmSet: forward, data and weight gradients, optionally the fused gate/up + SwiGLU; GEMM_SETS holds them);
   expert_ffn: the same FFN on expert-sorted rows, differentiated by autodiff.
@@ -32,7 +33,7 @@ from turbo_moe.ops.fp8_scaling import Fp8Weights, fp8_weights
 from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8, grouped_gemm_fp8_quantized
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops.ragged_dot_general import ragged_dot_general
-from turbo_moe.ops.swiglu_combine_grad import swiglu_combine_grad
+from turbo_moe.ops.swiglu_combine_grad import swiglu_combine_grad, swiglu_combine_grad_fp8
 from turbo_moe.ops.permute import PermuteHandle, permute, permute_rows
 from turbo_moe.ops.permute_fp8 import permute_fp8, permute_rows_fp8
 from turbo_moe.ops.quantize_group_columns import quantize_group_columns
@@ -59,6 +60,7 @@ __all__ = [
     "Fp8Weights",
     "grouped_gemm_swiglu",
     "swiglu_combine_grad",
+    "swiglu_combine_grad_fp8",
     "permute",
     "permute_rows",
     "permute_fp8",

@@ -24,6 +24,7 @@ TARGETS = (
     "turbo_moe_grouped_gemm_weight_grad",
     "turbo_moe_grouped_gemm_swiglu",
     "turbo_moe_swiglu_combine_grad",
+    "turbo_moe_swiglu_combine_grad_fp8",
     "turbo_moe_swiglu_quantize",
     "turbo_moe_permute",
     "turbo_moe_permute_rows",
