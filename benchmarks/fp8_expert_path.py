@@ -18,6 +18,8 @@ each forward ("fwd") and forward + backward ("fwd+bwd", the cotangent given; gra
   the whole expert block (permute -> gate/up -> SwiGLU -> down -> unpermute, fwd+bwd), `ops.expert_block` with the
   GEMM sets "turbo" (bf16, fused SwiGLU kernels), "fp8" (weight gradients by the per-shape rule) and "fp8" with them
   forced to FP8 / bf16 ("fp8_wgrad_fp8" / "fp8_wgrad_bf16"); "fp8_prepared*": the same on `ops.fp8_weights` made
+  beforehand, and "fp8_prepared_quantize_after": the fp8 set with its rows quantised by `quantize_rows` after their
+  bf16 producers (the A/B of the producer-written FP8 rows; `--block-impls` picks). Those weights are made
   beforehand (not timed: once per optimizer step in training); and the block in a 2-layer jax.lax.scan (no remat; the
   forward and backward loops are separate computations, as in training), "turbo", "fp8" (weights quantised in every
   layer's forward and backward) and "fp8_prepared" (all layers' FP8 weights made once before the scan, timed).
@@ -46,6 +48,7 @@ from grouped_gemm import EventTimer, routing_sizes
 from turbo_moe import ops
 from turbo_moe.shapes import DEEPSEEK_V3, QWEN3_30B_A3B, REDUCED
 from turbo_moe.ops.fp8_scaling import fp8_weights
+from turbo_moe.ops.gemm_sets import gradients_by_autodiff
 from turbo_moe.ops.grouped_gemm_fp8 import (
     quantize_blocks,
     quantize_group_columns_xla,
@@ -178,8 +181,15 @@ def block_prepared_fwd_bwd(gemms):
 
 def with_weight_grad(weight_grad: str):
     """The fp8 set with its weight gradients forced to one product ("fp8" or "bf16") instead of the per-shape rule."""
-    return dataclasses.replace(ops.GEMM_SETS["fp8"], forward=lambda r, w, gs, zero_tail=True: ops.grouped_gemm_fp8(
-        r, w, gs, weight_grad=weight_grad))
+    def forward(r, w, gs, zero_tail=True):
+        return ops.grouped_gemm_fp8(r, w, gs, weight_grad=weight_grad)
+    data_grad, weight_grad_fn = gradients_by_autodiff(forward)
+    return dataclasses.replace(ops.GEMM_SETS["fp8"], forward=forward, data_grad=data_grad, weight_grad=weight_grad_fn)
+
+
+# The fp8 set as it was before its FP8 rows were written by their producers: SwiGLU by XLA then quantize_rows, the
+# backward's row gather and SwiGLU's backward in bf16, each read again by quantize_rows (the A/B of that change).
+FP8_QUANTIZE_AFTER = dataclasses.replace(ops.GEMM_SETS["fp8"], producer_quantized=None)
 
 
 def block_scan_fwd_bwd(gemms, prepared: bool = False):
@@ -194,6 +204,10 @@ def block_scan_fwd_bwd(gemms, prepared: bool = False):
         out, vjp = jax.vjp(f, x, combine_w, w_gate_up, w_down)
         return (out,) + vjp(dy)
     return run
+
+
+BLOCK_IMPLS = ("turbo", "fp8", "fp8_wgrad_fp8", "fp8_wgrad_bf16", "fp8_prepared", "fp8_prepared_quantize_after",
+               "fp8_prepared_wgrad_bf16", "fp8_prepared_wgrad_fp8", "scan2_turbo", "scan2_fp8", "scan2_fp8_prepared")
 
 
 def balanced_ids(case: Case) -> np.ndarray:
@@ -267,20 +281,25 @@ def block_units(timer, case: Case, args, rows, table, x, ids, base, reps, keys):
     sets = {"turbo": "turbo", "fp8": "fp8", "fp8_wgrad_fp8": with_weight_grad("fp8"),
             "fp8_wgrad_bf16": with_weight_grad("bf16")}
     for impl, gemms in sets.items():
-        rows.append(measure(timer, block_fwd_bwd(gemms), (x, ids, combine_w, w_gate_up, w_down, dy), block_flops,
-                            base | dict(unit="expert_block", impl=impl, op="fwd+bwd", F=case.F), reps))
-        write(rows, table, args)
+        if impl in args.block_impls:
+            rows.append(measure(timer, block_fwd_bwd(gemms), (x, ids, combine_w, w_gate_up, w_down, dy), block_flops,
+                                base | dict(unit="expert_block", impl=impl, op="fwd+bwd", F=case.F), reps))
+            write(rows, table, args)
     prepared = (x, ids, combine_w, jax.jit(fp8_weights)(w_gate_up), jax.jit(fp8_weights)(w_down), dy)
-    for impl, gemms in (("fp8_prepared", "fp8"), ("fp8_prepared_wgrad_bf16", with_weight_grad("bf16")),
+    for impl, gemms in (("fp8_prepared", "fp8"), ("fp8_prepared_quantize_after", FP8_QUANTIZE_AFTER),
+                        ("fp8_prepared_wgrad_bf16", with_weight_grad("bf16")),
                         ("fp8_prepared_wgrad_fp8", with_weight_grad("fp8"))):
-        rows.append(measure(timer, block_prepared_fwd_bwd(gemms), prepared, block_flops,
-                            base | dict(unit="expert_block", impl=impl, op="fwd+bwd", F=case.F), reps))
-        write(rows, table, args)
+        if impl in args.block_impls:
+            rows.append(measure(timer, block_prepared_fwd_bwd(gemms), prepared, block_flops,
+                                base | dict(unit="expert_block", impl=impl, op="fwd+bwd", F=case.F), reps))
+            write(rows, table, args)
     del prepared
     layers = 2
     stacked = (jnp.stack([w_gate_up] * layers), jnp.stack([w_down] * layers))
     del w_gate_up, w_down
     for impl, gemms, prepared in (("turbo", "turbo", False), ("fp8", "fp8", False), ("fp8_prepared", "fp8", True)):
+        if f"scan2_{impl}" not in args.block_impls:
+            continue
         rows.append(measure(timer, block_scan_fwd_bwd(gemms, prepared), (x, ids, combine_w, *stacked, dy),
                             layers * block_flops,
                             base | dict(unit="expert_block_scan2", impl=impl, op="fwd+bwd", F=case.F), reps))
@@ -343,9 +362,15 @@ def main():
                     ", ".join(c.name for c in CASES))
     ap.add_argument("--units", default="permute_gemm,expert_block", help="comma-separated: permute_gemm (with the "
                     "quantisers), expert_block (with the 2-layer scan)")
+    ap.add_argument("--block-impls", default=",".join(BLOCK_IMPLS), help="comma-separated, of the expert_block "
+                    f"unit: {', '.join(BLOCK_IMPLS)}")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
+    args.block_impls = args.block_impls.split(",")
+    if set(args.block_impls) - set(BLOCK_IMPLS):
+        raise SystemExit(f"--block-impls: unknown {sorted(set(args.block_impls) - set(BLOCK_IMPLS))}; expected some "
+                         f"of {list(BLOCK_IMPLS)}")
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("benchmarks/fp8_expert_path.py needs a GPU (JAX_PLATFORMS=cuda)")
     wanted = args.cases.split(",")

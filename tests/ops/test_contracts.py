@@ -97,6 +97,25 @@ def _combine_grad(name, message, h=(4, 6), g=(4, 3), w=(4,), valid=(), hdt=F32, 
     return Case(name, "turbo_moe_swiglu_combine_grad", operands, results, message)
 
 
+def _swiglu_quantize(name, message, h=(2, 3, 512), hdt=F32, valid=(2,), qdt=jnp.float8_e4m3fn, sdt=F32, q=None,
+                     scale=None):
+    f = h[-1] // 2
+    results = (spec(q or (*h[:-1], f), qdt), spec(scale or (*h[:-1], max(f // 128, 1)), sdt))
+    return Case(name, "turbo_moe_swiglu_quantize", (spec(h, hdt), spec(valid, I32)), results, message)
+
+
+def _permute_rows_fp8(name, message, h=128, xdt=F32, rdt=None, qdt=jnp.float8_e5m2, scale=None):
+    operands = (spec((4, h), xdt), spec((4, 2), I32), spec((3,), I32))
+    results = (spec((8, h), rdt or xdt), spec((8, h), qdt), spec(scale or (8, max(h // 128, 1)), F32))
+    return Case(name, "turbo_moe_permute_rows_fp8", operands, results, message, dict(zero_tail=True))
+
+
+def _combine_grad_fp8(name, message, F=64, qdt=jnp.float8_e4m3fn, scale=(4, 1), sdt=F32):
+    operands = (spec((4, 2 * F), F32), spec((4, F), F32), spec((4,), F32), spec((), I32))
+    results = (spec((4, 2 * F), F32), spec((4,), F32), spec((4, F), F32), spec((4, 2 * F), qdt), spec(scale, sdt))
+    return Case(name, "turbo_moe_swiglu_combine_grad_fp8", operands, results, message)
+
+
 CASES = [
     # ---- grouped_gemm: (M, K) x (G, K, N) -> (M, N)
     Case("gemm_dtype", "turbo_moe_grouped_gemm", (spec((4, 8), F32), spec((2, 8, 4), BF16), spec((2,), I32)),
@@ -248,6 +267,32 @@ CASES = [
     Case("segment_sum_batch_bound", "turbo_moe_segment_sum",
          (spec((65536, 1, 0), F32), spec((65536, 1), I32), spec((65536, 1), I32)), (spec((65536, 1, 0), F32),),
          "segment_sum: at most 65535 leading (batch) problems"),
+    # ---- swiglu_quantize: h (..., M, 2F), valid (...) -> q (..., M, F) fp8, scale (..., M, F/128) f32
+    _swiglu_quantize("swiglu_quantize_dtype", "swiglu_quantize: h must be float32/bfloat16/float16", hdt=I32),
+    _swiglu_quantize("swiglu_quantize_q_dtype", "swiglu_quantize: q must be float8_e4m3fn or float8_e5m2", qdt=U8),
+    _swiglu_quantize("swiglu_quantize_scale_dtype", "swiglu_quantize: scale must be float32", sdt=BF16),
+    _swiglu_quantize("swiglu_quantize_rank", "swiglu_quantize: expected h [..., M, 2F]", h=(512,), valid=(),
+                     q=(256,), scale=(2,)),
+    _swiglu_quantize("swiglu_quantize_width", "swiglu_quantize: h must be [..., M, 2F] with F a positive multiple "
+                     "of 128 (the FP8 scale tiles), got a last dim of 384", h=(2, 3, 384)),
+    _swiglu_quantize("swiglu_quantize_results",
+                     "swiglu_quantize: expected results q [..., M, F] and scale [..., M, F/128]", q=(2, 3, 128)),
+    _swiglu_quantize("swiglu_quantize_valid",
+                     "swiglu_quantize: expected valid [...] (rows to compute of each [M, 2F] problem of h)", valid=(3,)),
+    _permute_rows_fp8("permute_rows_fp8_dtype", "permute_rows_fp8: x must be float32/bfloat16/float16", xdt=jnp.int32),
+    _permute_rows_fp8("permute_rows_fp8_q_dtype",
+                      "permute_rows_fp8: q must be float8_e4m3fn or float8_e5m2 and scale float32", qdt=BF16),
+    _permute_rows_fp8("permute_rows_fp8_rows", "permute_rows_fp8: expected result rows [..., T*k, H] of x's dtype",
+                      rdt=BF16),
+    _permute_rows_fp8("permute_rows_fp8_width", "permute_rows_fp8: x's H must be a positive multiple of 128 (the FP8 "
+                      "scale tiles), got H=100", h=100),
+    _combine_grad_fp8("combine_fp8_q_dtype", "swiglu_combine_grad_fp8: d_h_q must be float8_e4m3fn or float8_e5m2",
+                      qdt=BF16),
+    _combine_grad_fp8("combine_fp8_scale_dtype", "swiglu_combine_grad_fp8: d_h_scale must be float32", sdt=BF16),
+    _combine_grad_fp8("combine_fp8_width", "swiglu_combine_grad_fp8: h's 2F must be a positive multiple of 128 (the "
+                      "FP8 scale tiles), got 2F=64", F=32),
+    _combine_grad_fp8("combine_fp8_results", "swiglu_combine_grad_fp8: expected results d_h_q [..., M, 2F] and "
+                      "d_h_scale [..., M, 2F/128]", scale=(4, 2)),
 ]
 
 # Every FFI target has its contract exercised.

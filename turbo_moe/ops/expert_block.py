@@ -183,18 +183,32 @@ def _forward(tokens, expert_ids, combine_w, w_gate_up, w_down, n_experts, gemms)
         h, group_sizes, row_index = gemms.permute_forward(tokens, expert_ids, n_experts, w_gate_up)
         group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
         h = saved(h, EXPERT_SAVE_NAMES[1])  # (T*k, 2F)
-        with jax.named_scope("swiglu"):
-            act = swiglu(h)  # (T*k, F)
+        y_rows = _swiglu_down(h, w_down, group_sizes, gemms, zero_tail)
     else:
         with jax.named_scope("permute"):
             rows, group_sizes, row_index = _permute_call(tokens, expert_ids, n_experts, zero_tail)[:3]
         group_sizes = saved(group_sizes, EXPERT_SAVE_NAMES[3])
         h, act = _gate_up(rows, w_gate_up, group_sizes, gemms)
-    with jax.named_scope("grouped_gemm"):
-        y_rows = gemms.forward(act, w_down, group_sizes, zero_tail)  # (T*k, D): not kept for the backward
+        with jax.named_scope("grouped_gemm"):
+            y_rows = gemms.forward(act, w_down, group_sizes, zero_tail)  # (T*k, D): not kept for the backward
     with jax.named_scope("unpermute"):
         y = unpermute_call(y_rows, row_index, combine_w)
     return y, group_sizes, (h, saved(row_index, ROW_INDEX_NAME))
+
+
+def _swiglu_down(h, w_down, group_sizes, gemms, zero_tail):
+    """The down GEMM's output rows (T*k, D) from h: SwiGLU in bf16 then the set's forward, or (a set with
+    `producer_quantized`) SwiGLU writing its FP8 rows for the GEMM, so no pass reads act again to quantise it."""
+    pq = gemms.producer_quantized
+    if pq is None:
+        with jax.named_scope("swiglu"):
+            act = swiglu(h)  # (T*k, F)
+        with jax.named_scope("grouped_gemm"):
+            return gemms.forward(act, w_down, group_sizes, zero_tail)
+    with jax.named_scope("swiglu"):  # rows past the groups unwritten: the GEMM reads group rows only
+        act_q, act_scale = pq.swiglu(h, jnp.sum(group_sizes).astype(jnp.int32))
+    with jax.named_scope("grouped_gemm"):
+        return pq.forward(act_q, act_scale, w_down, group_sizes, out_dtype=h.dtype)  # rows past the groups zero
 
 
 def _gate_up(rows, w_gate_up, group_sizes, gemms):
@@ -227,23 +241,31 @@ def _block_bwd(n_experts, gemms, residuals, cotangents):
     d_y = cotangents[0]  # (T, D); group_sizes are integers
     # The backward's one pass over h (`swiglu_combine_grad`) also serves a set whose forward leaves SwiGLU to XLA
     # (fp8: no FP8 GEMM with a SwiGLU epilogue); its buffers' tails are then written (zero_tail), as its forward's.
-    fused = gemms.gate_up_swiglu is not None or gemms.swiglu_backward_kernel
+    pq = gemms.producer_quantized  # FP8 rows written by their producers: g's rows and d_h come in bf16 and FP8
+    fused = gemms.gate_up_swiglu is not None or gemms.swiglu_backward_kernel or pq is not None
     zero_tail = gemms.gate_up_swiglu is None
     with jax.named_scope("unpermute"):
-        g_rows = permute_rows_call(d_y.astype(h.dtype), row_index, group_sizes, zero_tail)  # unweighted rows of g
+        if pq is None:
+            g_rows = permute_rows_call(d_y.astype(h.dtype), row_index, group_sizes, zero_tail)  # unweighted rows of g
+        else:
+            g_rows, g_q, g_scale = pq.permute_rows(d_y.astype(h.dtype), row_index, group_sizes, zero_tail)
         # each row's combine weight (0 for rows no copy fills): one XLA scatter of T*k scalars (the row-copy kernel
         # spends a warp per 4-byte row)
         n = row_index.size
         rows_of_copies = jnp.where(row_index >= 0, row_index, n).reshape(-1)  # dropped copies -> out of range
         w_rows = jnp.zeros((n,), jnp.float32).at[rows_of_copies].set(combine_w.reshape(-1), mode="drop")[:, None]
     if fused:  # one pass over h and g_act gives d_h, d_w and w * act
-        with jax.named_scope("grouped_gemm"):
-            g_act = gemms.data_grad(g_rows, w_down, group_sizes, zero_tail)  # g @ W^T
+        with jax.named_scope("grouped_gemm"):  # g @ W^T
+            g_act = (gemms.data_grad(g_rows, w_down, group_sizes, zero_tail) if pq is None
+                     else pq.data_grad(g_q, g_scale, w_down, group_sizes, out_dtype=h.dtype))
         with jax.named_scope("swiglu"):
             # only the group rows: a worst-case EP buffer is mostly tail (d_w_rows is read by row index, d_h and
             # act_w by the GEMMs, by group)
             valid = jnp.sum(group_sizes).astype(jnp.int32)
-            d_h, d_w_rows, act_w = swiglu_combine_grad(h, g_act, w_rows[:, 0], valid)
+            if pq is None:
+                d_h, d_w_rows, act_w = swiglu_combine_grad(h, g_act, w_rows[:, 0], valid)
+            else:
+                d_h, d_h_q, d_h_scale, d_w_rows, act_w = pq.swiglu_grad(h, g_act, w_rows[:, 0], valid)
         with jax.named_scope("grouped_gemm"):
             d_w_down = gemms.weight_grad(act_w, g_rows, group_sizes).astype(w_down.dtype)  # (w act)^T @ g
     else:
@@ -264,8 +286,12 @@ def _block_bwd(n_experts, gemms, residuals, cotangents):
     with jax.named_scope("permute"):
         rows = permute_rows_call(tokens, row_index, group_sizes, zero_tail)  # the forward's permuted rows
     with jax.named_scope("grouped_gemm"):
-        _, up_vjp = jax.vjp(lambda r, w: gemms.forward(r, w, group_sizes, zero_tail), rows, w_gate_up)
-        d_rows, d_w_gate_up = up_vjp(d_h)
+        if pq is None:
+            _, up_vjp = jax.vjp(lambda r, w: gemms.forward(r, w, group_sizes, zero_tail), rows, w_gate_up)
+            d_rows, d_w_gate_up = up_vjp(d_h)
+        else:  # the data gradient from d_h's FP8 rows; the weight gradient as the set's VJP runs it
+            d_rows = pq.data_grad(d_h_q, d_h_scale, w_gate_up, group_sizes, out_dtype=tokens.dtype)
+            d_w_gate_up = gemms.weight_grad(rows, d_h, group_sizes).astype(w_gate_up.dtype)
     with jax.named_scope("permute"):
         d_tokens = unpermute_call(d_rows, row_index, jnp.ones(row_index.shape, jnp.float32))
     return (match_varying(d_tokens, tokens), None, match_varying(d_combine, combine_w),

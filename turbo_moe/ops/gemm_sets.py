@@ -19,10 +19,10 @@ A set holds the forward GEMM, its data and weight gradients and, optionally, the
 - `einsum`: the batched einsum of capacity slots (E, B, C, K) x (E, K, N); group_sizes is None (dense_cf).
 - `fp8`: `grouped_gemm_fp8` (E4M3 with DeepSeek-V3's 1x128 / 128x128 scales; the CUTLASS kernel on Hopper, exact
   emulation elsewhere), gradients through its VJP (data gradients in FP8, weight gradients in FP8 or bf16 by its
-  measured per-shape rule); K and N multiples of 128. Its permute_forward quantises the
-  rows in the permute's copy (`permute_fp8`); the down GEMM's input (SwiGLU's output, by XLA) is quantised by
-  `quantize_rows`; the block's backward runs SwiGLU's gradient in one kernel pass (`swiglu_backward_kernel`); weights
-  may come as `fp8_weights`, made once a step (docs/notes/fp8.md).
+  measured per-shape rule); K and N multiples of 128. In `expert_block` every FP8 row is written by its producer
+  (`producer_quantized`): the permute's copy (`permute_fp8`), SwiGLU (`swiglu_quantize`), the backward's row gather of
+  the output gradient (`permute_rows_fp8_call`) and SwiGLU's one-pass backward (`swiglu_combine_grad_fp8`); weights
+  may come as `fp8_weights`, made once a step (docs/notes/fp8-end-to-end.md).
 """
 from __future__ import annotations
 
@@ -33,10 +33,36 @@ import jax
 import jax.numpy as jnp
 
 from turbo_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_weight_grad
-from turbo_moe.ops.grouped_gemm_fp8 import grouped_gemm_fp8, grouped_gemm_fp8_quantized
+from turbo_moe.ops.grouped_gemm_fp8 import (
+    data_grad_fp8_quantized,
+    forward_fp8_quantized,
+    grouped_gemm_fp8,
+    grouped_gemm_fp8_quantized,
+)
 from turbo_moe.ops.grouped_gemm_swiglu import grouped_gemm_swiglu
 from turbo_moe.ops import pallas_gemm
-from turbo_moe.ops.permute_fp8 import permute_fp8_call
+from turbo_moe.ops.permute_fp8 import permute_fp8_call, permute_rows_fp8_call
+from turbo_moe.ops.swiglu_combine_grad import swiglu_combine_grad_fp8
+from turbo_moe.ops.swiglu_quantize import swiglu_quantize
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerQuantized:
+    """The FP8 rows of a set whose GEMMs read them quantised by the kernels that produce them, so that no pass reads a
+    bf16 tensor again only to quantise it (`expert_block` calls these instead of SwiGLU, the backward's row gather,
+    SwiGLU's backward and the set's forward / data gradient on bf16 rows):
+        swiglu(h (M, 2F), valid_rows) -> (act_q (M, F), act_scale (M, F/128)): SwiGLU written in FP8
+        permute_rows(x (T, D), row_index, group_sizes, zero_tail) -> (rows, q, scale): the copy in bf16 and FP8
+        swiglu_grad(h, g_act, w_rows, valid_rows) -> (d_h, d_h_q, d_h_scale, d_w_rows, act_w)
+        forward(q, scale, w, group_sizes, out_dtype=...) -> (M, N);  data_grad(q, scale, w, group_sizes,
+        out_dtype=...) -> (M, K) = d_out @ w[g]^T
+    Each is bit for bit the bf16 producer followed by `quantize_rows` (tests), so values and gradients are unchanged."""
+
+    swiglu: Callable
+    permute_rows: Callable
+    swiglu_grad: Callable
+    forward: Callable
+    data_grad: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +82,12 @@ class GemmSet:
     # The block's backward runs SwiGLU's gradient as one kernel pass (`swiglu_combine_grad`) though the forward has no
     # fused gate/up + SwiGLU (sets with `gate_up_swiglu` always do).
     swiglu_backward_kernel: bool = False
+    # FP8 rows written by their producers (`ProducerQuantized`); implies the one-pass SwiGLU backward.
+    producer_quantized: ProducerQuantized | None = None
 
     def without_fused_swiglu(self) -> "GemmSet":
         """The same GEMMs with SwiGLU left to XLA (`ModelConfig`'s CPU default: its fusion is faster there)."""
-        return dataclasses.replace(self, gate_up_swiglu=None, swiglu_backward_kernel=False)
+        return dataclasses.replace(self, gate_up_swiglu=None, swiglu_backward_kernel=False, producer_quantized=None)
 
 
 def gradients_by_autodiff(forward: Callable) -> tuple[Callable, Callable]:
@@ -135,7 +163,9 @@ GEMM_SETS: dict[str, GemmSet] = {s.name: s for s in (
     _set("ragged_dot", _ragged_dot_forward),
     _set("pallas", _pallas_forward, device_problem=_pallas_problem),
     _set("einsum", _einsum_forward),
-    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward, width_multiple=128, swiglu_backward_kernel=True),
+    _set("fp8", _fp8_forward, permute_forward=_fp8_permute_forward, width_multiple=128, swiglu_backward_kernel=True,
+         producer_quantized=ProducerQuantized(swiglu_quantize, permute_rows_fp8_call, swiglu_combine_grad_fp8,
+                                              forward_fp8_quantized, data_grad_fp8_quantized)),
 )}
 
 

@@ -293,6 +293,23 @@ def _quantized_weights_product(lq, ls, rhs, group_sizes, out_dtype, impl):
     return out, (wq, ws)
 
 
+def data_grad_fp8_quantized(d_out_q, d_out_scale, rhs, group_sizes, *, out_dtype=jnp.bfloat16, impl: str = "auto"):
+    """d_out @ rhs[g]^T from an output gradient its producer quantised per 1x128 tile along N (`permute_rows_fp8_call`,
+    `swiglu_combine_grad_fp8`): (M, N) fp8 + (M, N/128) float32 scales, rhs (G, K, N) (an array, its 128x128 blocks
+    made here, or `Fp8Weights`) -> (M, K) out_dtype. Bit for bit `grouped_gemm_fp8`'s data gradient of the unquantised
+    output gradient, without its quantisation pass. A backward-pass building block: no VJP. Rows past
+    sum(group_sizes) are zero."""
+    wq, ws = (rhs.q_kn, rhs.scale) if isinstance(rhs, Fp8Weights) else quantize_blocks(rhs)
+    return rows_product(d_out_q, d_out_scale, wq, jnp.swapaxes(ws, 1, 2), _checks.as_int32(group_sizes),
+                        out_dtype=out_dtype, impl=impl)
+
+
+def forward_fp8_quantized(lhs_q, lhs_scale, rhs, group_sizes, *, out_dtype=jnp.bfloat16, impl: str = "auto"):
+    """`grouped_gemm_fp8_quantized`'s forward product alone (no VJP), for a custom backward that runs its own
+    gradients (`expert_block`): rows quantised by their producer (`swiglu_quantize`) x rhs -> (M, N) out_dtype."""
+    return _quantized_weights_product(lhs_q, lhs_scale, rhs, _checks.as_int32(group_sizes), out_dtype, impl)[0]
+
+
 def _weight_and_data_grads(lhs, weights, group_sizes, d_out, rhs_type, grad_dtype, weight_grad, impl, lhs_dtype):
     """(d_lhs or None, d_rhs) from the forward's quantised weights; lhs (M, K) the rows the weight gradient reads."""
     wq, ws = weights
