@@ -129,8 +129,24 @@ def test_fp8_block_with_the_fused_permute_changes_no_bit():
             return jnp.sum(ops.expert_block(a, ids, c, wg, wd, gemms=gemms)[0].astype(jnp.float32) * cotangent)
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(x, combine_w, w_gate_up, w_down)
 
-    fused = GEMM_SETS["fp8"]
+    # the other FP8 rows quantised after their producers on both sides: only the permute's quantisation differs
+    fused = dataclasses.replace(GEMM_SETS["fp8"], producer_quantized=None)
     got, want = grads(fused), grads(dataclasses.replace(fused, permute_forward=None))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+    # the backward's FP8 rows from their producers (the row gather, SwiGLU's backward) against the bf16 producers
+    # followed by quantize_rows: bit for bit on the GPU too
+    pq = GEMM_SETS["fp8"].producer_quantized
+
+    def after(rows):
+        return (rows,) + tuple(ops.quantize_rows(rows))
+
+    reference = dataclasses.replace(GEMM_SETS["fp8"], producer_quantized=dataclasses.replace(
+        pq, permute_rows=lambda x_, ri, gs, zt: after(permute_rows_call(x_, ri, gs, zt)),
+        swiglu_grad=lambda h, g_act, w_rows, valid: (lambda o: after(o[0]) + o[1:])(
+            ops.swiglu_combine_grad(h, g_act, w_rows, valid))))
+    got, want = grads(GEMM_SETS["fp8"]), grads(reference)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 

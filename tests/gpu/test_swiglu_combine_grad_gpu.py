@@ -147,7 +147,14 @@ def test_fp8_scalar_kernel_on_unaligned_rows():
     q_ref, scale_ref = quantized_reference(jax.device_put(d_h, CPU), FP8["e4m3"])
     for a, b in zip((d_h, act_w, d_h_q, d_h_scale), (plain[0], plain[2], q_ref, scale_ref)):
         np.testing.assert_array_equal(bits(a), bits(b))
-    np.testing.assert_allclose(np.asarray(d_w), np.asarray(plain[1]), rtol=1e-5)  # the packing may differ
+    # d_w sums F products in float32; the one-element step adds them in another order than the vector kernel: the
+    # two agree within float32 summation's bound, F * eps * sum |act * g| a row (a cancelling row's relative error
+    # is larger: 1.3e-5 was seen on an H200)
+    hf, gf = np.asarray(h, np.float64), np.asarray(g, np.float64)
+    f = gf.shape[-1]
+    act = hf[..., :f] / (1 + np.exp(-hf[..., :f])) * hf[..., f:]
+    bound = f * np.finfo(np.float32).eps * np.sum(np.abs(act * gf), axis=-1)
+    assert np.all(np.abs(np.asarray(d_w, np.float64) - np.asarray(plain[1], np.float64)) <= bound)
 
 
 def test_fp8_in_a_scanned_loop():
