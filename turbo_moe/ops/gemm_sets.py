@@ -56,7 +56,8 @@ class ProducerQuantized:
         swiglu_grad(h, g_act, w_rows, valid_rows) -> (d_h, d_h_q, d_h_scale, d_w_rows, act_w)
         forward(q, scale, w, group_sizes, out_dtype=...) -> (M, N);  data_grad(q, scale, w, group_sizes,
         out_dtype=...) -> (M, K) = d_out @ w[g]^T
-    Each is bit for bit the bf16 producer followed by `quantize_rows` (tests), so values and gradients are unchanged."""
+    The gather and SwiGLU's backward are bit for bit their bf16 producers followed by `quantize_rows` (tests); SwiGLU's
+    act is the fused kernels' float32 formula rounded to h's dtype (XLA's SwiGLU rounds its own way)."""
 
     swiglu: Callable
     permute_rows: Callable
