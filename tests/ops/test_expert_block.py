@@ -259,7 +259,7 @@ def test_fp8_widths_are_checked_at_trace_time():
 def test_fp8_block_backward_in_one_swiglu_pass_matches_xla(dtype):
     """The fp8 set's backward runs SwiGLU's gradient, the combine weights' gradient and w * act as one kernel pass
     (`swiglu_combine_grad`); against the same set with those left to XLA: the same output, gradients equal to
-    rounding (float32: 1e-5; bfloat16: the kernel rounds d_act once where XLA rounds (w g) first)."""
+    rounding (float32: 2e-4; bfloat16: the kernel rounds d_act once where XLA rounds (w g) first)."""
     rng = np.random.default_rng()
     t, d, f, e, k = 90, 256, 128, 4, 2
     x = jnp.asarray(rng.standard_normal((t, d)), dtype)
@@ -278,7 +278,10 @@ def test_fp8_block_backward_in_one_swiglu_pass_matches_xla(dtype):
     assert fp8.swiglu_backward_kernel
     got, want = grads(fp8), grads(dataclasses.replace(fp8, swiglu_backward_kernel=False))
     np.testing.assert_array_equal(got[0], want[0])
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    # float32: 2e-4, not float32's rounding alone: the weight gradients run in bf16 here (the per-shape rule) and the
+    # data gradients on FP8 codes, so where the two d_h (or act * w) differ by an ulp a bf16 rounding or an FP8 code
+    # can move a step (up to 4.6e-5 of the weight gradients' norm in 80 fresh draws)
+    tol = 2e-4 if dtype == jnp.float32 else 2e-2
     for g, w in zip(got[1], want[1]):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert np.linalg.norm(g - w) <= tol * np.linalg.norm(w), np.linalg.norm(g - w) / np.linalg.norm(w)

@@ -71,6 +71,18 @@ def as_int32(x) -> jax.Array:
     return _narrow(x, lambda xp, v: xp.clip(v, 0, INT32_MAX).astype(np.int32))
 
 
+def rows_per_problem(valid_rows, h) -> jax.Array:
+    """An op's `valid_rows` for h (..., M, 2F): None (every row: M) or an integer array of h.shape[:-2], one count a
+    (M, 2F) problem -> int32 (saturating)."""
+    if valid_rows is None:
+        return jnp.full(h.shape[:-2], h.shape[-2], jnp.int32)
+    check_integer("valid_rows", valid_rows)
+    if jnp.shape(valid_rows) != h.shape[:-2]:
+        raise ValueError(f"valid_rows must be {h.shape[:-2]} (one count a (M, 2F) problem of h {h.shape}), "
+                         f"got {jnp.shape(valid_rows)}")
+    return as_int32(valid_rows)
+
+
 def index_as_int32(x, bound: int) -> jax.Array:
     """Ids / row indices as int32: values in [0, bound) kept, any other value becomes -1 (none/dropped)."""
     def fix(xp, v):

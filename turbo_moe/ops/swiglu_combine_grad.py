@@ -35,13 +35,7 @@ def _checked_valid_rows(h, g, w, valid_rows):
         raise ValueError(f"w must be (...) = {h.shape[:-1]} (one combine weight a row of h), got {w.shape}")
     if h.ndim == 1:
         return None  # one row: the caller adds a row axis (the kernels take (..., M, 2F))
-    if valid_rows is None:
-        valid_rows = jnp.full(h.shape[:-2], h.shape[-2], jnp.int32)
-    _checks.check_integer("valid_rows", valid_rows)
-    if jnp.shape(valid_rows) != h.shape[:-2]:
-        raise ValueError(f"valid_rows must be {h.shape[:-2]} (one count a problem of h {h.shape}), "
-                         f"got {jnp.shape(valid_rows)}")
-    return jnp.asarray(valid_rows).astype(jnp.int32)
+    return _checks.rows_per_problem(valid_rows, h)
 
 
 def _outputs(h):

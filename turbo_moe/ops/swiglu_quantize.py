@@ -47,13 +47,7 @@ def swiglu_quantize(h, valid_rows=None, dtype=E4M3):
         raise ValueError(f"h (..., M, 2F) = [gate | up] must have F a positive multiple of {TILE} (the FP8 scale "
                          f"tiles), got a last dim of {two_f}")
     fp8 = fp8_dtype("dtype", dtype)
-    if valid_rows is None:
-        valid_rows = jnp.full(h.shape[:-2], h.shape[-2], jnp.int32)
-    _checks.check_integer("valid_rows", valid_rows)
-    if jnp.shape(valid_rows) != h.shape[:-2]:
-        raise ValueError(f"valid_rows must be {h.shape[:-2]} (one count a (M, 2F) problem of h {h.shape}), "
-                         f"got {jnp.shape(valid_rows)}")
-    return swiglu_quantize_call(h, _checks.as_int32(valid_rows), fp8)
+    return swiglu_quantize_call(h, _checks.rows_per_problem(valid_rows, h), fp8)
 
 
 def swiglu_quantize_call(h, valid_rows, dtype):
