@@ -458,7 +458,8 @@ def test_fp8_experts_quantised_once_change_no_bit(monkeypatch):
 
 
 def test_only_the_routed_experts_are_quantised_for_all_layers():
-    """`quantize_stacked_experts` turns exactly the routed experts' stacked weights into Fp8Weights of every layer."""
+    """`quantize_stacked_experts` turns exactly the routed experts' stacked weights into Fp8Weights of every layer;
+    the MTP block's are made the same way (`prepared_weights`)."""
     cfg = _config(moe_path="turbo_fp8", d_model=128, moe_ffn_dim=128)
     model = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     _, state = nnx.split(model.moe_layers.blocks)
@@ -470,3 +471,12 @@ def test_only_the_routed_experts_are_quantised_for_all_layers():
     assert w8.q_nk.shape == (n_layers, cfg.n_experts, 2 * cfg.moe_ffn_dim, cfg.d_model)
     assert w8.q_kn.dtype == jnp.float8_e4m3fn and w8.scale.shape == (n_layers, cfg.n_experts, 1, 2)
     assert not isinstance(leaves[("attn", "wo", "kernel")], Fp8Weights)
+    # the MTP block (one unstacked MoE block) is prepared the same way: cast once, its experts quantised once
+    mtp = model.mtp[0].block
+    assert mtp.is_moe
+    prepared = stack.prepared_weights(cfg, mtp, nnx.split(mtp)[1], mtp.is_moe)
+    leaves = {path: var.get_value() for path, var in nnx.to_flat_state(prepared)}
+    w8 = leaves[("ffn", "experts", "w_down")]
+    assert isinstance(w8, Fp8Weights) and w8.master.dtype == jnp.dtype(cfg.dtype)
+    assert w8.q_nk.shape == (cfg.n_experts, cfg.d_model, cfg.moe_ffn_dim)
+    assert leaves[("attn", "wo", "kernel")].dtype == jnp.dtype(cfg.dtype)

@@ -89,9 +89,23 @@ def block_fn(cfg: ModelConfig, graphdef):
 
 
 def apply_block(cfg: ModelConfig, block: DecoderBlock, h, cos, sin):
-    """Run one (unstacked) block, e.g. an MTP block, rematerialised like the stacked ones."""
+    """Run one (unstacked) block, e.g. an MTP block, rematerialised like the stacked ones. On an FP8 path its weights
+    are prepared as the stacks' are (`prepared_weights`: the experts quantised once for the step, not at each use);
+    elsewhere it casts at use as before (preparing them there is unmeasured)."""
     graphdef, state = nnx.split(block)
+    if block.is_moe and path_row(cfg.moe_path).gemm == "fp8":
+        state = prepared_weights(cfg, block, state, block.is_moe)
     return block_fn(cfg, graphdef)(h, state, cos, sin)
+
+
+def prepared_weights(cfg: ModelConfig, blocks: nnx.Module, state, is_moe: bool):
+    """`state` of `blocks` (a stack, or one block) as the blocks read it in a step: the cast-at-use weights cast to
+    the compute dtype once, and on an FP8 path the routed experts' weights quantised once (`fp8_weights`), so that
+    neither the forward, the backward nor a remat's recomputation does it again. Values and gradients unchanged."""
+    state = cast_stacked_weights(blocks, state, jnp.dtype(cfg.dtype))
+    if is_moe and path_row(cfg.moe_path).gemm == "fp8":
+        state = quantize_stacked_experts(blocks, state)
+    return state
 
 
 class BlockStack(nnx.Module):
@@ -117,10 +131,8 @@ class BlockStack(nnx.Module):
     def __call__(self, h: jax.Array, cos: jax.Array, sin: jax.Array):
         """h (B, S, D) -> (h, stats stacked over the layers (L, ...) or None for dense blocks)."""
         graphdef, state = nnx.split(self.blocks)
-        # Cast once for all layers, not per layer inside the scan: less slicing traffic, the same values.
-        state = cast_stacked_weights(self.blocks, state, jnp.dtype(self.cfg.dtype))
-        if self.is_moe and path_row(self.cfg.moe_path).gemm == "fp8":
-            state = quantize_stacked_experts(self.blocks, state)
+        # Prepared once for all layers, not per layer inside the scan: less slicing traffic, the same values.
+        state = prepared_weights(self.cfg, self.blocks, state, self.is_moe)
         run = block_fn(self.cfg, graphdef)
 
         def body(carry, layer_state):
