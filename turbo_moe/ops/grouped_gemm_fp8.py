@@ -284,13 +284,18 @@ def _quantized_weights_product(lq, ls, rhs, group_sizes, out_dtype, impl):
     """rows (lq, ls) x rhs's 128x128 blocks -> (out, (wq (G, K, N), ws)). The forward kernel reads the blocks
     K-contiguous, (G, N, K): the same values transposed (a 128x128 block's scale is transpose-invariant). A bf16 rhs
     is quantised here; Fp8Weights bring both layouts."""
-    if isinstance(rhs, Fp8Weights):
-        wq_t, wq, ws = rhs.q_nk, rhs.q_kn, rhs.scale
-    else:
-        wq, ws = quantize_blocks(rhs)
-        wq_t = jnp.swapaxes(wq, 1, 2)
+    wq_t, (wq, ws) = _weight_blocks(rhs)
     out = rows_product(lq, ls, wq_t, ws, group_sizes, out_dtype=out_dtype, impl=impl)
     return out, (wq, ws)
+
+
+def _weight_blocks(rhs):
+    """rhs's 128x128 FP8 blocks: (q (G, N, K) for the forward, (q (G, K, N), scales (G, K/128, N/128))), made here
+    from an array or brought by `Fp8Weights`."""
+    if isinstance(rhs, Fp8Weights):
+        return rhs.q_nk, (rhs.q_kn, rhs.scale)
+    wq, ws = quantize_blocks(rhs)
+    return jnp.swapaxes(wq, 1, 2), (wq, ws)
 
 
 def data_grad_fp8_quantized(d_out_q, d_out_scale, rhs, group_sizes, *, out_dtype=jnp.bfloat16, impl: str = "auto"):
@@ -299,7 +304,7 @@ def data_grad_fp8_quantized(d_out_q, d_out_scale, rhs, group_sizes, *, out_dtype
     made here, or `Fp8Weights`) -> (M, K) out_dtype. Bit for bit `grouped_gemm_fp8`'s data gradient of the unquantised
     output gradient, without its quantisation pass. A backward-pass building block: no VJP. Rows past
     sum(group_sizes) are zero."""
-    wq, ws = (rhs.q_kn, rhs.scale) if isinstance(rhs, Fp8Weights) else quantize_blocks(rhs)
+    _, (wq, ws) = _weight_blocks(rhs)
     return rows_product(d_out_q, d_out_scale, wq, jnp.swapaxes(ws, 1, 2), _checks.as_int32(group_sizes),
                         out_dtype=out_dtype, impl=impl)
 
